@@ -1,0 +1,63 @@
+# distlab — make help lists the targets.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+# Where there is no GPU, torch comes from PyTorch's CPU index (a ~200 MB build instead
+# of the multi-GB CUDA one); NVIDIA machines take PyPI's CUDA build and cupy (extra
+# [gpu]); on ROCm set TORCH_INDEX to PyTorch's ROCm index, e.g.
+# TORCH_INDEX="--index-url https://download.pytorch.org/whl/rocm6.4".
+HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_NVIDIA),yes)
+TORCH_INDEX ?=
+EXTRAS ?= [dev,gpu]
+else
+TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
+EXTRAS ?= [dev]
+endif
+LAB ?=
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.distlab-installed
+EXTRAS_SPEC := .$(EXTRAS)
+
+.PHONY: help setup lab test test-browser grade nbval labs bench clean
+
+help: ## list the targets
+	@echo "distlab — make targets (set LAB=03 to grade one lab):"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet -e "$(EXTRAS_SPEC)" $(TORCH_INDEX)
+	touch $(STAMP)
+
+setup: $(STAMP) ## create .venv and install the kit (CPU torch where there is no GPU)
+
+lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/
+	$(VENV)/bin/jupyter lab --notebook-dir=labs
+
+test: $(STAMP) ## run every test: library, autograder, notebooks (nbval), browser when available
+	$(PY) -m pytest -q --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
+
+test-browser: $(STAMP) ## only the browser test: JupyterLab in headless Chromium
+	$(PY) -m pytest -q tests/test_browser.py $(PYTEST_ARGS)
+
+grade: $(STAMP) ## grade your labs (all, or LAB=03) and write grade-report.json
+	$(PY) -m distlab.grade $(if $(LAB),labs/$(LAB)_*.ipynb,labs/*.ipynb) --json grade-report.json
+
+nbval: $(STAMP) ## check that the solution notebooks reproduce their outputs
+	$(PY) -m pytest -q --nbval --nbval-current-env solutions $(PYTEST_ARGS)
+
+labs: $(STAMP) ## regenerate labs/ from solutions/ (answers replaced by stubs)
+	$(PY) -m distlab.notebook release solutions labs
+
+bench: $(STAMP) ## launch cost, bandwidth sweeps of the collectives and of the ring all-reduce
+	$(PY) -m distlab.launch_bench
+	$(PY) -m distlab.bench
+	$(PY) -m distlab.ring_bench
+
+clean: ## remove the virtual environment and caches
+	rm -rf $(VENV) build lib/*.egg-info grade-report.json
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,331 @@
+"""Traced communication: every collective and point-to-point call a rank makes.
+
+``install()`` replaces the primitives of ``torch.distributed`` with thin wrappers that
+record, while a :class:`CommLog` is active, the op, its message size in bytes, the
+peer or root, the group and the start/end time. Code calls ``dist.all_reduce`` as
+usual; the launcher installs the wrappers in every rank, and entering a ``CommLog``
+installs them anywhere else (under torchrun, say). Collectives that torch issues from
+C++ (the reducer inside ``DistributedDataParallel``) bypass Python and are not seen.
+
+Message sizes follow nccl-tests: the whole buffer of an all-reduce, broadcast or
+reduce; the *output* of an all-gather; the *input* of a reduce-scatter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import threading
+import time
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
+               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "gather", "scatter", "barrier")
+# torch 2.13 renamed the single-tensor all-gather and reduce-scatter; logs use the old names
+# on every version, so that checks written against either read the same.
+_RENAMED = {"all_gather_single": "all_gather_into_tensor",
+            "reduce_scatter_single": "reduce_scatter_tensor"}
+P2P = ("send", "recv", "isend", "irecv")
+SENDS = ("send", "isend")
+
+# nccl-tests' bus-bandwidth factors: busbw = algbw * factor(n). They turn the time of
+# an op into the bandwidth a single link must have carried (see nccl-tests'
+# doc/PERFORMANCE.md): a ring all-reduce sends 2(n-1)/n of the buffer per rank.
+_BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,
+}
+_OP_FAMILY = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_to_all_single": "all_to_all", "send": "sendrecv", "recv": "sendrecv",
+              "isend": "sendrecv", "irecv": "sendrecv"}
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """nccl-tests' factor from algorithm bandwidth to bus bandwidth for ``op``."""
+    family = _OP_FAMILY.get(op, op)
+    if family not in _BUS_FACTORS:
+        raise ValueError(f"no bus-bandwidth factor for {op!r}; known: {sorted(_BUS_FACTORS)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    return _BUS_FACTORS[family](world_size)
+
+
+@dataclasses.dataclass
+class CommEvent:
+    """One call, as seen by the rank that made it."""
+
+    op: str
+    nbytes: int
+    dtype: str | None
+    rank: int
+    peer: int | None          # the other rank of a P2P call, or the root of broadcast/reduce
+    group_size: int
+    group_ranks: tuple[int, ...]
+    async_op: bool
+    start: float              # time.perf_counter() on this rank
+    end: float | None = None  # None while an async op is still in flight
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    def describe(self) -> str:
+        peer = "" if self.peer is None else (
+            f" {'to' if self.op in SENDS else 'from' if self.op in ('recv', 'irecv') else 'root'}"
+            f" {self.peer}")
+        return f"{self.op}({_size(self.nbytes)}{' ' + self.dtype if self.dtype else ''}{peer})"
+
+
+class CommLog:
+    """Every traced call this rank makes while the log is active.
+
+    >>> with CommLog() as log:
+    ...     dist.all_reduce(t)
+    >>> log.count("all_reduce"), log.nbytes("all_reduce")
+
+    A log is picklable, so a launched function can return it to the notebook for
+    volume checks and timelines.
+    """
+
+    def __init__(self):
+        self.events: list[CommEvent] = []
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.origin = time.perf_counter()
+
+    def __enter__(self) -> "CommLog":
+        install()
+        self.origin = time.perf_counter()
+        _state.logs.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _state.logs.remove(self)
+
+    def __getstate__(self):
+        return {"events": self.events, "rank": self.rank, "origin": self.origin}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def select(self, op: str | tuple[str, ...] | None = None) -> list[CommEvent]:
+        ops = (op,) if isinstance(op, str) else op
+        return [e for e in self.events if ops is None or e.op in ops]
+
+    def ops(self) -> list[str]:
+        return [e.op for e in self.events]
+
+    def count(self, op: str | tuple[str, ...] | None = None) -> int:
+        return len(self.select(op))
+
+    def nbytes(self, op: str | tuple[str, ...] | None = None) -> int:
+        """Total message bytes of the selected calls."""
+        return sum(e.nbytes for e in self.select(op))
+
+    def bytes_sent(self) -> int:
+        """Bytes this rank pushed through point-to-point sends."""
+        return self.nbytes(SENDS)
+
+    def collectives(self) -> list[CommEvent]:
+        return self.select(COLLECTIVES)
+
+    def bus_bytes(self) -> float:
+        """Bytes per rank on the wire for a bandwidth-optimal (ring) algorithm: each
+        collective's size times its nccl-tests bus factor, plus P2P sends."""
+        total = float(self.bytes_sent())
+        for e in self.collectives():
+            if e.op in ("barrier", "gather", "scatter"):
+                continue
+            total += e.nbytes * bus_factor(e.op, e.group_size)
+        return total
+
+    def summary(self) -> str:
+        """A table: op, calls, total bytes."""
+        rows: dict[str, list[int]] = {}
+        for e in self.events:
+            rows.setdefault(e.op, [0, 0])
+            rows[e.op][0] += 1
+            rows[e.op][1] += e.nbytes
+        lines = [f"rank {self.rank}: {len(self.events)} calls"]
+        lines += [f"  {op:<24}{n:>6} x  {_size(b):>10}" for op, (n, b) in rows.items()]
+        return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.logs: list[CommLog] = []
+        self.depth = 0
+
+
+_state = _State()
+_status: "StatusBoard | None" = None
+_installed = False
+
+
+class StatusBoard:
+    """A few bytes of shared memory where a rank posts the call it is in, so that the
+    launcher can say where each rank stood when a launch hangs."""
+
+    SIZE = 256
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def post(self, text: str) -> None:
+        data = text.encode()[: self.SIZE - 1] + b"\0"
+        self.buffer[: len(data)] = data
+
+    @classmethod
+    def read(cls, buffer) -> str:
+        return bytes(buffer[: cls.SIZE]).split(b"\0", 1)[0].decode(errors="replace")
+
+
+def post_status_to(board: StatusBoard | None) -> None:
+    global _status
+    _status = board
+
+
+def _bytes_of(op: str, a: dict) -> tuple[int, str | None]:
+    def one(t):
+        return t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")
+
+    def many(ts):
+        return sum(one(t)[0] for t in ts), (one(ts[0])[1] if ts else None)
+
+    if op == "all_gather_into_tensor":
+        return one(a["output_tensor"])
+    if op == "all_gather":
+        return many(a["tensor_list"])
+    if op == "reduce_scatter_tensor":
+        return one(a["input"])
+    if op == "reduce_scatter":
+        return many(a["input_list"])
+    if op == "all_to_all_single":
+        return one(a["input"])
+    if op == "all_to_all":
+        return many(a["input_tensor_list"])
+    if op == "barrier":
+        return 0, None
+    return one(a["tensor"])
+
+
+def _peer(op: str, a: dict, group) -> int | None:
+    for key in ("dst", "src"):
+        if a.get(key) is not None:
+            return a[key]
+    for key in ("group_dst", "group_src"):
+        if a.get(key) is not None:
+            return dist.get_global_rank(group or c10d._get_default_group(), a[key])
+    return None
+
+
+def _trace(name: str, fn):
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        if _state.depth or not (_state.logs or _status):
+            return fn(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        group = a.get("group")
+        nbytes, dtype = _bytes_of(name, a)
+        event = CommEvent(
+            op=name, nbytes=nbytes, dtype=dtype, rank=dist.get_rank(),
+            peer=_peer(name, a, group), group_size=dist.get_world_size(group),
+            group_ranks=tuple(dist.get_process_group_ranks(group or c10d._get_default_group())),
+            async_op=bool(a.get("async_op")) or name in ("isend", "irecv"),
+            start=time.perf_counter())
+        if _status:
+            _status.post(f"in {event.describe()} since {time.time():.3f}")
+        _state.depth += 1
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _state.depth -= 1
+        if name == "recv" and event.peer is None and isinstance(result, int):
+            event.peer = result
+        if event.async_op and result is not None:
+            result = _finish_later(event, result)
+        else:
+            event.end = time.perf_counter()
+        if _status:
+            _status.post(f"after {event.describe()} at {time.time():.3f}")
+        for log in _state.logs:
+            log.events.append(event)
+        return result
+
+    traced.__distlab_traced__ = fn
+    return traced
+
+
+def _finish_later(event: CommEvent, work):
+    """Stamp the end of an async op when it completes: through its future where the
+    backend has one, else when the caller's ``wait()`` returns (gloo's send/recv)."""
+    try:
+        work.get_future().add_done_callback(
+            lambda _: setattr(event, "end", time.perf_counter()))
+        return work
+    except (RuntimeError, AttributeError):
+        return _TracedWork(work, event)
+
+
+class _TracedWork:
+    """A Work handle that records when ``wait()`` returned."""
+
+    def __init__(self, work, event: CommEvent):
+        self._work, self._event = work, event
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        if self._event.end is None:
+            self._event.end = time.perf_counter()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def install() -> None:
+    """Route the primitives of torch.distributed through the tracer (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    for name in COLLECTIVES + P2P + tuple(_RENAMED):
+        original = getattr(c10d, name, None)
+        if original is None:  # a name this version of torch does not have
+            continue
+        traced = _trace(_RENAMED.get(name, name), getattr(original, "__distlab_traced__", original))
+        setattr(c10d, name, traced)
+        setattr(dist, name, traced)
+    _installed = True
+
+
+def all_gather_into(output, input, group=None, async_op=False):
+    """All-gather into one tensor, by the name this version of torch prefers
+    (``all_gather_single`` from 2.13, ``all_gather_into_tensor`` before)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Reduce-scatter from one tensor (``reduce_scatter_single`` from torch 2.13,
+    ``reduce_scatter_tensor`` before)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=op, group=group, async_op=async_op)

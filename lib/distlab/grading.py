@@ -1,0 +1,305 @@
+"""The autograder: extract a notebook's exercises, run their tests, report.
+
+    python -m distlab.grade labs/03_ring_allreduce.ipynb [--json report.json]
+
+Each exercise of the notebook is tested by ``tests/exercises/test_<name>.py`` in a
+fresh ``pytest`` process with a time limit, against a module made of the notebook's
+exercise cells. Every test is worth one point. Tiers: cpu (gloo, always), gpu,
+multigpu; tests of a tier this machine cannot run are "blocked", not failed.
+
+Isolation: exercises never share a process; within one exercise's tests the ranks stay
+warm between launches (the launcher throws them away after any failure), which keeps
+a whole lab's grading within seconds per exercise.
+
+This module is also the pytest plugin (``-p distlab.grading``) that records, for each
+test, its outcome and the first failing check in plain words, and it offers
+:func:`expect_close`, the comparison whose message tests and notebooks show students.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from distlab import notebook
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = ROOT / "tests" / "exercises"
+EXERCISE_TIMEOUT = 300.0  # seconds for all the tests of one exercise
+
+
+# ------------------------------------------------------------- checks with plain words
+
+
+def expect_close(actual, expected, what: str, rtol: float | None = None,
+                 atol: float | None = None) -> None:
+    """Assert two tensors match, saying in plain words where and how they differ.
+
+    Tolerances default to torch.testing's for the dtype; integers must match exactly."""
+    import torch
+
+    if not isinstance(actual, torch.Tensor):
+        raise AssertionError(f"{what}: expected a tensor, got {type(actual).__name__}")
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)}, expected "
+                             f"{tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{what}: dtype {actual.dtype}, expected {expected.dtype}")
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True)
+    except AssertionError:
+        a, e = actual.detach().cpu().double().flatten(), expected.detach().cpu().double().flatten()
+        tol_abs = atol if atol is not None else 1e-5
+        tol_rel = rtol if rtol is not None else 1.3e-6
+        bad = ((a - e).abs() > tol_abs + tol_rel * e.abs()).nonzero().flatten()
+        i = int(bad[0]) if len(bad) else 0
+        raise AssertionError(
+            f"{what}: {len(bad)} of {a.numel()} elements are wrong; the first at flat index "
+            f"{i} is {a[i].item():g} but should be {e[i].item():g}") from None
+
+
+# -------------------------------------------------------------------- the pytest plugin
+
+
+def blocked_reason(item) -> str | None:
+    """Why this machine cannot run a test of tier gpu/multigpu (None when it can)."""
+    from distlab import backend
+
+    gpus = backend.gpu_count()
+    if item.get_closest_marker("multigpu") and gpus < 2:
+        return f"blocked: needs 2 or more GPUs, this machine has {gpus}"
+    if item.get_closest_marker("gpu") and gpus < 1:
+        return "blocked: needs a GPU, this machine has none"
+    return None
+
+
+
+def pytest_addoption(parser):
+    parser.addoption("--distlab-report", default=None, help="write per-test outcomes here")
+
+
+def _verdict_of(exc) -> tuple[str, str]:
+    """(kind, plain message) for an exception raised by a test."""
+    from distlab.launch import LaunchTimeout, RankCrashed, RankError
+
+    if isinstance(exc, LaunchTimeout):
+        where = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
+        return "deadlock", f"deadlock: no answer within {exc.timeout:g} s ({where})"
+    if isinstance(exc, NotImplementedError) or (
+            isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
+        return "not attempted", "not implemented yet (raise NotImplementedError)"
+    if isinstance(exc, RankError):
+        tb = exc.remote_traceback.strip().splitlines()
+        place = next((line.strip() for line in reversed(tb) if line.strip().startswith("File")), "")
+        message = str(exc).splitlines()[0]
+        return "error", f"{message} ({place})" if place and exc.exc_type != "AssertionError" else message
+    if isinstance(exc, RankCrashed):
+        return "error", str(exc).splitlines()[0]
+    if isinstance(exc, AssertionError):
+        return "fail", (str(exc).split("\nassert ")[0].strip() or "a check failed").splitlines()[0]
+    return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+class _Recorder:
+    """Writes each test's outcome and plain-words message to a JSON file."""
+
+    def __init__(self, path):
+        self.path, self.tests = path, []
+
+    def pytest_collection_modifyitems(self, config, items):
+        if config.option.collectonly:  # counting, not running: say what would be blocked
+            self.tests = [{"test": item.nodeid, "outcome": "blocked" if blocked_reason(item)
+                           else "collected", "message": blocked_reason(item) or ""}
+                          for item in items]
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if call.excinfo is not None and report.failed:
+            report.distlab_verdict = _verdict_of(call.excinfo.value)
+
+    def pytest_runtest_logreport(self, report):
+        if report.when != "call" and report.outcome == "passed":
+            return
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+            reason = reason.removeprefix("Skipped: ")
+            kind = "blocked" if reason.startswith("blocked") else "skipped"
+            self.tests.append({"test": report.nodeid, "outcome": kind, "message": reason})
+        elif report.passed:
+            self.tests.append({"test": report.nodeid, "outcome": "passed", "message": ""})
+        else:
+            kind, message = getattr(report, "distlab_verdict", ("error", "the test broke"))
+            self.tests.append({"test": report.nodeid, "outcome": kind, "message": message})
+
+    def pytest_sessionfinish(self, session):
+        Path(self.path).write_text(json.dumps(self.tests, indent=1))
+
+
+def pytest_configure(config):
+    path = config.getoption("--distlab-report", default=None)
+    if path:
+        config.pluginmanager.register(_Recorder(path), "distlab-recorder")
+
+
+# ------------------------------------------------------------------------ the grader
+
+
+@dataclasses.dataclass
+class Result:
+    exercise: str
+    points: int
+    max_points: int
+    verdict: str   # pass, partial, fail, deadlock, not attempted, error, timeout, blocked
+    message: str   # the first failing check, in plain words
+    blocked: int = 0  # tests this machine could not run
+    seconds: float = 0.0
+
+
+def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
+    ran = [t for t in tests if t["outcome"] not in ("blocked", "skipped")]
+    blocked = [t for t in tests if t["outcome"] == "blocked"]
+    passed = [t for t in ran if t["outcome"] == "passed"]
+    failed = [t for t in ran if t["outcome"] != "passed"]
+    if not tests:
+        return Result(name, 0, 0, "error", "no tests were collected for this exercise",
+                      seconds=seconds)
+    if not ran:
+        return Result(name, 0, 0, "blocked", blocked[0]["message"], len(blocked), seconds)
+    if not failed:
+        verdict, message = "pass", ""
+    else:
+        kinds = {t["outcome"] for t in failed}
+        first = failed[0]
+        verdict = ("not attempted" if kinds == {"not attempted"} and not passed else
+                   "deadlock" if "deadlock" in kinds else
+                   "partial" if passed else "fail")
+        message = next((t for t in failed if t["outcome"] == "deadlock"), first)["message"]
+        message = f"{first['test'].split('::')[-1]}: {message}" if verdict != "not attempted" \
+            else message
+    return Result(name, len(passed), len(ran), verdict, message, len(blocked), seconds)
+
+
+def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
+                   timeout: float = EXERCISE_TIMEOUT) -> Result:
+    test_file = tests_dir / f"test_{name}.py"
+    if not test_file.exists():
+        return Result(name, 0, 0, "error", f"no tests for this exercise ({test_file} missing)")
+    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "distlab.grading",
+               "-p", "no:cacheprovider", f"--distlab-report={report}", f"--rootdir={ROOT}"]
+        env = dict(os.environ, DISTLAB_STUDENT=str(module_path))
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # pytest and every rank it launched
+            proc.communicate()
+            return Result(name, 0, 0, "timeout",
+                          f"the tests did not finish within {timeout:g} s (a deadlock the tests "
+                          f"did not catch, or far too slow)", seconds=time.monotonic() - start)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        seconds = time.monotonic() - start
+        if not report.exists():
+            tail = "\n".join(out.strip().splitlines()[-5:])
+            return Result(name, 0, 0, "error", f"the test run broke before reporting: {tail}",
+                          seconds=seconds)
+        return _summarise(name, json.loads(report.read_text()), seconds)
+
+
+def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
+          only: list[str] | None = None) -> list[Result]:
+    """Grade every exercise of the notebook at ``path``."""
+    nb = nbformat.read(path, as_version=4)
+    cells = {name: source for name, source in notebook.exercises(nb).items()
+             if not only or name in only}
+    untouched = [name for name, source in cells.items() if notebook.is_untouched(source)]
+    counts = _count_tests([tests_dir / f"test_{name}.py" for name in untouched])
+    results = []
+    with tempfile.TemporaryDirectory(prefix="distlab-student-") as tmp:
+        module = Path(tmp) / f"student_{path.stem}.py"
+        module.write_text(notebook.module_source(nb))
+        for name in cells:
+            if name in untouched:
+                runnable, blocked = counts.get(f"test_{name}.py", (0, 0))
+                results.append(Result(name, 0, runnable, "not attempted",
+                                      "the cell still raises NotImplementedError", blocked))
+            else:
+                results.append(grade_exercise(name, module, tests_dir, timeout))
+    return results
+
+
+def _count_tests(test_files: list[Path]) -> dict[str, tuple[int, int]]:
+    """file name → (tests this machine can run, tests blocked), without running any."""
+    files = [f for f in test_files if f.exists()]
+    if not files:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="distlab-count-") as tmp:
+        report = Path(tmp) / "report.json"
+        subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                        "distlab.grading", "-p", "no:cacheprovider", f"--distlab-report={report}",
+                        f"--rootdir={ROOT}", *map(str, files)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+        tests = json.loads(report.read_text()) if report.exists() else []
+    counts: dict[str, list[int]] = {}
+    for t in tests:
+        entry = counts.setdefault(Path(t["test"].split("::")[0]).name, [0, 0])
+        entry[t["outcome"] == "blocked"] += 1
+    return {name: (c[0], c[1]) for name, c in counts.items()}
+
+
+def table(results: list[Result], title: str = "") -> str:
+    rows = [("exercise", "points", "verdict", "first failing check")]
+    for r in results:
+        pts = f"{r.points}/{r.max_points}" + (f" (+{r.blocked} blocked)" if r.blocked else "")
+        rows.append((r.exercise, pts, r.verdict, r.message))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [title] if title else []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
+    total = sum(r.points for r in results), sum(r.max_points for r in results)
+    lines.append(f"total: {total[0]}/{total[1]}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m distlab.grade",
+                                     description="Grade lab notebooks.")
+    parser.add_argument("notebooks", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--timeout", type=float, default=EXERCISE_TIMEOUT,
+                        help="seconds for the tests of one exercise (default %(default)s)")
+    parser.add_argument("--exercise", action="append", help="grade only this exercise")
+    args = parser.parse_args(argv)
+    report = {}
+    for path in args.notebooks:
+        if not path.exists():
+            parser.error(f"{path} does not exist")
+        results = grade(path, timeout=args.timeout, only=args.exercise)
+        print(table(results, title=f"\n{path}"), flush=True)
+        report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
+                                          "verdict": r.verdict, "message": r.message,
+                                          "blocked": r.blocked} for r in results}
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,76 @@
+"""Exercise cells, the student release, and its staleness check."""
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+from distlab import notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ANSWER = '''import math
+
+# EXERCISE
+def area(r):
+    """Area of a circle."""
+    ### BEGIN SOLUTION
+    squared = r * r
+    return math.pi * squared
+    ### END SOLUTION
+'''
+
+
+def _nb(*sources):
+    cells = [new_markdown_cell("# A lab"), new_code_cell("import math\n%matplotlib inline")]
+    for name, source in sources:
+        cell = new_code_cell(source, outputs=[new_output("stream", name="stdout", text="x")],
+                             execution_count=3)
+        cell.metadata["nbgrader"] = {"solution": True, "grade_id": name}
+        cells.append(cell)
+    return new_notebook(cells=cells)
+
+
+def test_release_replaces_answers_with_stubs_at_their_indentation():
+    released = notebook.clear_solutions(ANSWER)
+    assert "    raise NotImplementedError" in released
+    assert "squared" not in released and "BEGIN SOLUTION" not in released
+    assert '"""Area of a circle."""' in released and released.startswith("import math")
+    assert notebook.is_untouched(released) and not notebook.is_untouched(ANSWER)
+
+
+def test_release_drops_outputs_and_keeps_metadata():
+    nb = notebook.release(_nb(("area", ANSWER)))
+    cell = nb.cells[2]
+    assert cell.outputs == [] and cell.execution_count is None
+    assert notebook.grade_id(cell) == "area"
+
+
+def test_module_source_has_the_notebook_imports_and_survives_a_broken_cell():
+    nb = _nb(("area", ANSWER), ("broken", "def broken(:\n    pass"))
+    namespace = {}
+    exec(notebook.module_source(nb), namespace)
+    assert namespace["area"](1.0) == pytest.approx(3.14159, rel=1e-5)
+    with pytest.raises(SyntaxError, match="the cell of broken does not compile"):
+        namespace["broken"]()
+
+
+def test_labs_are_the_release_of_the_solutions():
+    assert notebook.stale(ROOT / "solutions", ROOT / "labs") == [], "run `make labs`"
+    solutions = sorted(p.name for p in (ROOT / "solutions").glob("*.ipynb"))
+    assert solutions == sorted(p.name for p in (ROOT / "labs").glob("*.ipynb"))
+
+
+def test_stale_detects_a_changed_solution(tmp_path):
+    (tmp_path / "s").mkdir()
+    nbformat.write(_nb(("area", ANSWER)), tmp_path / "s" / "01.ipynb")
+    notebook.release_dir(tmp_path / "s", tmp_path / "l")
+    assert notebook.stale(tmp_path / "s", tmp_path / "l") == []
+    nbformat.write(_nb(("area", ANSWER.replace("pi", "tau"))), tmp_path / "s" / "01.ipynb")
+    assert notebook.stale(tmp_path / "s", tmp_path / "l") == ["01.ipynb"]
+
+
+def test_every_solution_exercise_has_autograder_tests():
+    for path in sorted((ROOT / "solutions").glob("*.ipynb")):
+        for name in notebook.exercises(nbformat.read(path, as_version=4)):
+            assert (ROOT / "tests" / "exercises" / f"test_{name}.py").exists(), (path.name, name)
