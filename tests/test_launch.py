@@ -232,13 +232,15 @@ def test_no_rank_outlives_a_killed_launcher(tmp_path):
 def test_under_torchrun_the_same_call_runs_in_process(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent("""
+        import sys
         import torch.distributed as dist
         from distlab import launch
 
         def work(x):
             return dist.get_rank() + x
 
-        print("results", launch.run(work, 2, 10), flush=True)
+        results = launch.run(work, 2, 10)
+        sys.stdout.write(f"results {results}\n")  # one write: the ranks share stdout
     """))
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", "2", str(script)], stdout=subprocess.PIPE,

@@ -27,10 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
-
-from distlab import notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests" / "exercises"
@@ -225,6 +222,10 @@ def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
           only: list[str] | None = None) -> list[Result]:
     """Grade every exercise of the notebook at ``path``."""
+    import nbformat
+
+    from distlab import notebook
+
     nb = nbformat.read(path, as_version=4)
     cells = {name: source for name, source in notebook.exercises(nb).items()
              if not only or name in only}

@@ -649,7 +649,7 @@ def _update_bar(bar, desc, n, total):
     return bar
 
 
-_PACKAGE_FOR = {"cupy": "cupy-cuda12x (or: pip install -e '.[gpu]')", "cv2": "opencv-python",
+_PACKAGE_FOR = {"cupy": "cupy-cuda13x (or: pip install -e '.[gpu]')", "cv2": "opencv-python",
                 "yaml": "pyyaml", "sklearn": "scikit-learn", "PIL": "pillow"}
 
 

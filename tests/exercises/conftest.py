@@ -19,10 +19,7 @@ import sys
 from pathlib import Path
 
 import cloudpickle
-import nbformat
 import pytest
-
-from distlab import notebook
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +29,10 @@ def student(request, tmp_path_factory):
     name = request.module.NOTEBOOK
     path = os.environ.get("DISTLAB_STUDENT")
     if path is None:
+        import nbformat
+
+        from distlab import notebook
+
         nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
         path = tmp_path_factory.mktemp("student") / f"student_{name}.py"
         path.write_text(notebook.module_source(nb))
