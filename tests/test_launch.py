@@ -15,6 +15,7 @@ from distlab import launch
 
 
 def _rank_and_pid(offset, scale=1):
+    assert torch.get_num_threads() == 1, "each rank computes on one thread"
     return dist.get_rank() * scale + offset, dist.get_world_size(), os.getpid()
 
 

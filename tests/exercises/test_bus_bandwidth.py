@@ -1,0 +1,51 @@
+"""Lab 01, exercise bus_bandwidth: nccl-tests' bus bandwidth in bytes/s."""
+import pytest
+
+from distlab.comm import bus_factor
+
+NOTEBOOK = "01_primitives"
+WORLD_SIZES = [1, 2, 3, 4, 8]
+NBYTES, SECONDS = 3 * 2**20, 0.0015   # 3 MiB in 1.5 ms: algbw = 2.097 GB/s
+
+
+def _check(bus_bandwidth, op, why):
+    for n in WORLD_SIZES:
+        got = bus_bandwidth(op, NBYTES, SECONDS, n)
+        algbw = NBYTES / SECONDS
+        want = algbw * bus_factor(op, n)
+        assert isinstance(got, (int, float)) and not isinstance(got, bool), (
+            f"bus_bandwidth({op!r}, ...) should return a number (bytes/s), got "
+            f"{type(got).__name__}")
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-6), (
+            f"bus_bandwidth({op!r}, nbytes={NBYTES}, seconds={SECONDS}, world_size={n}) is "
+            f"{got:.4g} bytes/s, expected {want:.4g} bytes/s: {why} (algbw = nbytes / "
+            f"seconds = {algbw:.4g} bytes/s)")
+
+
+def test_all_reduce(student):
+    _check(student.bus_bandwidth, "all_reduce",
+           "all_reduce's busbw is algbw x 2(n-1)/n (a ring sends each byte out 2(n-1)/n times)")
+
+
+def test_all_gather_and_reduce_scatter(student):
+    for op in ("all_gather", "reduce_scatter"):
+        _check(student.bus_bandwidth, op, f"{op}'s busbw is algbw x (n-1)/n, where nbytes is "
+               f"the whole buffer (the output of all_gather, the input of reduce_scatter)")
+
+
+def test_broadcast_reduce_sendrecv(student):
+    for op in ("broadcast", "reduce", "sendrecv"):
+        _check(student.bus_bandwidth, op, f"{op}'s busbw equals its algbw (factor 1): each "
+               f"byte crosses one link once per rank")
+
+
+def test_units_are_bytes_per_second(student):
+    got = student.bus_bandwidth("broadcast", 10**9, 2.0, 4)
+    assert got == pytest.approx(5e8), (
+        f"1e9 bytes broadcast in 2 s should give 5e8 bytes/s, got {got!r}: return bytes per "
+        f"second (not GB/s, not bits), computed as nbytes / seconds x factor")
+
+
+def test_unknown_op_is_an_error(student):
+    with pytest.raises(ValueError):
+        student.bus_bandwidth("all_to_everyone", NBYTES, SECONDS, 4)
