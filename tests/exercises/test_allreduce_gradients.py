@@ -1,0 +1,243 @@
+"""Exercise allreduce_gradients(model, group=None) of lab 04.
+
+Every ``.grad`` must become its mean over the ranks of the group; parameters without a
+gradient stay untouched. The test model is the course's small GPT in float64 with the
+awkward cases: its output head tied to the token embedding, a frozen parameter
+(``ln_f.bias``), a parameter the loss never uses (``unused``), and a global batch of 10
+sequences (uneven over 3 and 4 ranks). One launch per world size runs every case; the
+tests then compare with the single-process computation done here.
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab import launch
+from distlab.comm import CommLog
+from distlab.data import NGramLanguage
+from distlab.dp import shard_loss_weight
+from distlab.grading import expect_close
+from distlab.model import GPT, config
+
+NOTEBOOK = "04_data_parallel"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
+
+BATCH, SEQ, STEPS, VOCAB, LR = 10, 8, 3, 13, 0.5
+LANG = NGramLanguage(VOCAB, 3, seed=0)
+WITHOUT_GRAD = ("ln_f.bias", "unused")
+NONE_GRAD_HINT = ("the test model has a frozen parameter (ln_f.bias) and one the loss never "
+                  "uses (unused); their .grad is None: skip parameters whose .grad is None")
+
+
+def make_model(dtype=torch.float64):
+    torch.manual_seed(0)
+    model = GPT(config("test", vocab_size=VOCAB)).to(dtype)
+    model.ln_f.bias.requires_grad_(False)
+    model.unused = nn.Parameter(torch.randn(5, dtype=dtype))
+    return model
+
+
+def local_loss(model, step, rank, world):
+    """This rank's share of the global batch's mean loss (see dp.shard_loss_weight)."""
+    x, y = LANG.batch(step, BATCH, SEQ, rank, world)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    return loss * shard_loss_weight(len(x), BATCH, world)
+
+
+def snapshot(model, what="param"):
+    if what == "grad":
+        return {n: None if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def call(fn, *args, **kwargs):
+    """Run the student's function; an exception comes back as text, not a hang."""
+    try:
+        fn(*args, **kwargs)
+        return None
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def rank_cases(allreduce_gradients):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # one backward, then the exercise under a CommLog
+    model = make_model()
+    local_loss(model, 0, rank, world).backward()
+    out["before"] = snapshot(model)
+    with CommLog() as log:
+        out["error"] = call(allreduce_gradients, model)
+    out["grads"], out["after"], out["log"] = snapshot(model, "grad"), snapshot(model), log
+    if out["error"]:
+        return out
+    # training in float32: SGD steps with the exercise between backward and step
+    model = make_model(torch.float32)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = local_loss(model, step, rank, world)
+        loss.backward()
+        allreduce_gradients(model)
+        opt.step()
+        losses.append(loss.detach())
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)
+    out["train"] = losses / world, snapshot(model)
+    # a subgroup: ranks 0 and 2 average between themselves; the others do nothing
+    if world >= 3:
+        pair = dist.new_group([0, 2])
+        model = make_model()
+        local_loss(model, 0, rank, world).backward()
+        if rank in (0, 2):
+            out["pair_error"] = call(allreduce_gradients, model, group=pair)
+        out["pair"] = snapshot(model, "grad")
+    return out
+
+
+_runs = {}
+
+
+def run(student, world):
+    """Every case at ``world`` ranks, launched once and shared by the tests."""
+    if world not in _runs:
+        try:
+            _runs[world] = launch.run(rank_cases, world, student.allreduce_gradients,
+                                      backend="gloo", timeout=30)
+        except launch.LaunchError as e:
+            _runs[world] = e
+    if isinstance(_runs[world], Exception):
+        raise _runs[world]
+    out = _runs[world]
+    for rank, r in enumerate(out):
+        if r["error"]:
+            raise AssertionError(f"allreduce_gradients raised {r['error']} on rank {rank} of "
+                                 f"{world}" + (f" ({NONE_GRAD_HINT})" if "None" in r["error"]
+                                               else ""))
+    return out
+
+
+def local_grads(world):
+    """Each rank's own gradients, computed here in one process."""
+    grads = []
+    for rank in range(world):
+        model = make_model()
+        local_loss(model, 0, rank, world).backward()
+        grads.append(snapshot(model, "grad"))
+    return grads
+
+
+def check_mean(actual, grads, ranks, where):
+    """``actual`` holds, for each parameter with a gradient, the mean of ``grads`` over
+    ``ranks``; say what it looks like instead when it does not."""
+    for name, want_none in grads[ranks[0]].items():
+        if want_none is None:
+            continue
+        got = actual[name]
+        if got is None:
+            raise AssertionError(f"{where}: the gradient of {name} became None")
+        stack = torch.stack([grads[r][name] for r in ranks])
+        mean = stack.mean(0)
+        if len(ranks) > 1 and torch.allclose(got, stack.sum(0)) and not torch.allclose(got, mean):
+            raise AssertionError(f"{where}: the gradient of {name} is the SUM over the ranks, "
+                                 f"not the mean: divide by the number of ranks in the group")
+        expect_close(got, mean, f"{where}: gradient of {name} (should be the mean over "
+                                f"{len(ranks)} rank(s))")
+
+
+WORLDS = [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gradients_become_the_mean_over_ranks(student, world):
+    out = run(student, world)
+    grads = local_grads(world)
+    for rank, r in enumerate(out):
+        for name, g in r["grads"].items():
+            if grads[rank][name] is None or g is None:
+                continue  # parameters without a gradient: the next test's business
+            if world > 1 and torch.equal(g, grads[rank][name]) and \
+                    not torch.allclose(g, torch.stack([x[name] for x in grads]).mean(0)):
+                raise AssertionError(f"rank {rank} of {world}: the gradient of {name} was not "
+                                     f"changed: every parameter with a gradient must be averaged "
+                                     f"(tied weights included: head.weight is tok_emb.weight)")
+        check_mean(r["grads"], grads, list(range(world)), f"rank {rank} of {world}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_parameters_without_gradient_are_untouched(student, world):
+    for rank, r in enumerate(run(student, world)):
+        for name in WITHOUT_GRAD:
+            assert r["grads"][name] is None, (
+                f"rank {rank} of {world}: {name} had no gradient (.grad None) but has one after "
+                f"allreduce_gradients; leave parameters without a gradient alone")
+        for name, value in r["after"].items():
+            expect_close(value, r["before"][name], f"rank {rank} of {world}: the weights of "
+                         f"{name} (allreduce_gradients must change gradients only)")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_all_reduce_of_each_gradient(student, world):
+    """How the work was done: only all-reduces, and every gradient's bytes exactly once
+    (a tied weight is one parameter; per-parameter calls or one flat buffer both pass)."""
+    model = make_model()
+    local_loss(model, 0, 0, world).backward()
+    with_grad = [p for p in model.parameters() if p.grad is not None]
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in with_grad)
+    for rank, r in enumerate(run(student, world)):
+        log = r["log"]
+        others = sorted({e.op for e in log.events} - {"all_reduce"})
+        assert not others, (f"rank {rank} of {world}: allreduce_gradients called {others}; "
+                            f"one all_reduce (SUM) per gradient, then a division, is all it needs")
+        count, nbytes = log.count("all_reduce"), log.nbytes("all_reduce")
+        assert count >= 1, f"rank {rank} of {world}: no all_reduce was called"
+        assert nbytes == grad_bytes, (
+            f"rank {rank} of {world}: all-reduced {nbytes} bytes in {count} call(s), but the "
+            f"gradients hold {grad_bytes} bytes in {len(with_grad)} tensors: reduce each gradient "
+            f"exactly once (tied weights are one parameter; model.parameters() lists it once) "
+            f"and nothing else (no weights, no parameters without a gradient)")
+        assert count <= len(with_grad), (
+            f"rank {rank} of {world}: {count} all_reduce calls for {len(with_grad)} gradients")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_training_matches_one_process_on_the_global_batch(student, world):
+    """The correctness rule, in float32: SGD on ``world`` ranks with allreduce_gradients
+    gives the losses and the weights of one process on the whole batch."""
+    model = make_model(torch.float32)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = local_loss(model, step, 0, 1)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    want = snapshot(model)
+    for rank, r in enumerate(run(student, world)):
+        got_losses, weights = r["train"]
+        for name, value in weights.items():
+            expect_close(value, want[name], f"rank {rank} of {world}: weights of {name} after "
+                         f"{STEPS} SGD steps, against one process on the whole batch",
+                         rtol=1e-5, atol=1e-6)
+        expect_close(got_losses, torch.stack(losses), f"rank {rank} of {world}: the loss of "
+                     f"each step", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_group_averages_over_its_own_ranks(student, world):
+    """group=dist.new_group([0, 2]): ranks 0 and 2 average between the two of them."""
+    out = run(student, world)
+    grads = local_grads(world)
+    for rank in (0, 2):
+        err = out[rank].get("pair_error")
+        assert not err, f"rank {rank}: allreduce_gradients(model, group=...) raised {err}"
+        check_mean(out[rank]["pair"], grads, [0, 2],
+                   f"rank {rank} of {world}, in group [0, 2] (pass group= to the collective and "
+                   f"divide by the size of the group, dist.get_world_size(group))")
