@@ -107,6 +107,18 @@ def test_a_rank_killed_by_a_signal_is_reported_and_the_rest_stopped():
     assert "SIGKILL" in str(info.value)
 
 
+def _mismatched_sizes():
+    t = torch.ones(4 if dist.get_rank() == 0 else 8)
+    dist.all_reduce(t)
+
+
+def test_ranks_that_disagree_on_a_collective_are_told_so():
+    with pytest.raises(launch.RankCrashed) as info:
+        launch.run(_mismatched_sizes, 2, backend="gloo", timeout=30)
+    assert "mismatched shapes across ranks" in str(info.value)
+    assert "Received data size doesn't match" in str(info.value), "the backend's own words"
+
+
 def test_output_is_grouped_by_rank_and_tagged(capsys):
     def talk():
         for i in range(3):

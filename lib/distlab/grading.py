@@ -112,7 +112,9 @@ def _verdict_of(exc) -> tuple[str, str]:
         message = str(exc).splitlines()[0]
         return "error", f"{message} ({place})" if place and exc.exc_type != "AssertionError" else message
     if isinstance(exc, RankCrashed):
-        return "error", str(exc).splitlines()[0]
+        first, *rest = str(exc).splitlines()
+        hint = rest[0] if rest and rest[0].startswith("An abort") else ""
+        return "error", f"{first} {hint}".strip()
     if isinstance(exc, AssertionError):
         return "fail", (str(exc).split("\nassert ")[0].strip() or "a check failed").splitlines()[0]
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

@@ -464,6 +464,12 @@ class _Pool:
                     if r.proc in ready and r.rank not in results and r.rank not in errors:
                         raise self._crashed(r, segment, results)
                 if errors:
+                    self._drain(results, errors, 0.2)
+                    # a rank that died is the cause; the others' errors ("connection reset
+                    # by peer") are its consequence
+                    dead = [r for r in self.ranks if r.rank not in results and not r.alive()]
+                    if dead:
+                        raise self._crashed(dead[0], segment, results, errors)
                     raise self._failed(errors, segment, results)
         finally:
             if bar is not None:
@@ -500,7 +506,6 @@ class _Pool:
         return (["", "The other ranks were stopped. They were:"] + sorted(lines)) if lines else []
 
     def _failed(self, errors, segment, results) -> RankError:
-        self._drain(results, errors, 0.2)
         rank = min(errors)
         e = errors[rank]
         others = self._others(results, errors, exclude=(rank,))
@@ -518,14 +523,22 @@ class _Pool:
                 original = None
         return RankError("\n".join(lines), rank, e["type"], e["traceback"], original)
 
-    def _crashed(self, rank: _Rank, segment, results) -> RankCrashed:
+    def _crashed(self, rank: _Rank, segment, results, errors=None) -> RankCrashed:
         reason = rank.exit_reason()
-        errors: dict[int, dict] = {}
+        errors = {r: e for r, e in (errors or {}).items() if r != rank.rank}
         self._drain(results, errors, 0.2)
         others = self._others(results, errors, exclude=(rank.rank,))
+        last_words = [line.rstrip() for line in rank.err.lines(segment, wait_s=0.5)[-4:]]
         self._print_output(segment, wait_s=0.5)
         self.close(graceful=False)
-        lines = [f"rank {rank.rank} {reason} during the launch, without an answer."] + others
+        lines = [f"rank {rank.rank} {reason} during the launch, without an answer."]
+        if rank.proc.returncode() == -signal.SIGABRT:
+            lines.append("An abort inside the backend usually means the ranks disagreed: they "
+                         "called different collectives, or the same one with different sizes "
+                         "or dtypes (mismatched shapes across ranks).")
+        if last_words:
+            lines += [f"Its last words (stderr):"] + [f"  {line}" for line in last_words]
+        lines += others
         return RankCrashed("\n".join(lines), rank.rank, rank.proc.returncode())
 
     def _timeout(self, timeout, segment, results, errors) -> LaunchTimeout:
