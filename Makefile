@@ -39,10 +39,10 @@ lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/
 	$(VENV)/bin/jupyter lab --notebook-dir=labs
 
 test: $(STAMP) ## run every test: library, autograder, notebooks (nbval), browser when available
-	$(PY) -m pytest -q --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
 
 test-browser: $(STAMP) ## only the browser test: JupyterLab in headless Chromium
-	$(PY) -m pytest -q tests/test_browser.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)
 
 grade: $(STAMP) ## grade your labs (all, or LAB=03) and write grade-report.json
 	$(PY) -m distlab.grade $(if $(LAB),labs/$(LAB)_*.ipynb,labs/*.ipynb) --json grade-report.json

@@ -1,0 +1,206 @@
+"""JupyterLab served as ``make lab`` serves it, and headless Chromium to look at it.
+
+Used by ``tests/test_browser.py``. The server is the environment's own ``jupyter lab``
+(the kernel is then this Python, which imports distlab) on a free port with a token,
+over a temporary copy of the notebooks, outputs stripped so that what the browser
+shows comes from running them. Settings, workspaces and runtime files go to the
+temporary directory too, so a developer's own JupyterLab set-up plays no part.
+The browser is the system's Chromium (Debian's ``chromium`` package), driven by
+Playwright: nothing is downloaded at test time.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+
+# Chromium flags for a closed network: without the background-networking ones,
+# Chromium's own connections are refused and slow it down.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+
+
+def find_chromium() -> str | None:
+    """``$DISTLAB_CHROMIUM`` if set, else the first of CHROMIUM_NAMES on the PATH."""
+    if os.environ.get("DISTLAB_CHROMIUM"):
+        return shutil.which(os.environ["DISTLAB_CHROMIUM"])
+    return next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
+
+
+def missing() -> str | None:
+    """Why the browser test cannot run here, or None when it can."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the Python package playwright is missing (pip install -e '.[dev]')"
+    if os.environ.get("DISTLAB_CHROMIUM") and find_chromium() is None:
+        return f"DISTLAB_CHROMIUM={os.environ['DISTLAB_CHROMIUM']} is not an executable"
+    if find_chromium() is None:
+        return (f"no browser found (none of {', '.join(CHROMIUM_NAMES)} on the PATH): "
+                "apt-get install chromium, or set DISTLAB_CHROMIUM to a Chromium or Chrome")
+    if not shutil.which("jupyter", path=str(Path(sys.executable).parent)):
+        return f"jupyter is not installed beside {sys.executable}"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_without_outputs(src: Path, dst: Path) -> None:
+    """``src`` as a student first opens it: no outputs, no saved widget state."""
+    nb = nbformat.read(src, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, dst)
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time) of every process, from Linux's /proc."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        found[int(stat.parent.name)] = (int(fields[1]), int(fields[19]))
+    return found
+
+
+def descendants(pid: int) -> dict[int, int]:
+    """pid -> start time of every process below ``pid``. Kernels and their ranks live in
+    sessions of their own, so killing the server's process group would miss them."""
+    procs = _processes()
+    found, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for child, (ppid, start) in procs.items():
+            if ppid == parent and child not in found:
+                found[child] = start
+                todo.append(child)
+    return found
+
+
+def kill_leftovers(processes: dict[int, int]) -> None:
+    """SIGKILL each of ``processes`` still alive (the same pid *and* start time)."""
+    alive = _processes()
+    for pid, start in processes.items():
+        if alive.get(pid, (0, None))[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class JupyterLab:
+    """``jupyter lab`` over copies of ``notebooks`` in ``root``; a context manager.
+
+    ``url(name)`` opens a notebook; ``log`` is the server's output.
+    """
+
+    def __init__(self, notebooks: list[Path], root: Path, log: Path, start_timeout: float = 90):
+        self.root, self.log, self.start_timeout = root, log, start_timeout
+        self.token = secrets.token_hex(16)
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        (root / "notebooks").mkdir(parents=True)
+        for nb in notebooks:
+            copy_without_outputs(nb, root / "notebooks" / nb.name)
+
+    def url(self, notebook: str) -> str:
+        return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?token={self.token}"
+
+    def path(self, notebook: str) -> Path:
+        return self.root / "notebooks" / notebook
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        home = self.root / "jupyter"
+        settings = home / "settings"
+        for name, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+                          ("JUPYTERLAB_SETTINGS_DIR", "settings"),
+                          ("JUPYTERLAB_WORKSPACES_DIR", "workspaces")):
+            (home / sub).mkdir(parents=True, exist_ok=True)
+            env[name] = str(home / sub)
+        # No news or update toast over the notebook (they would also try the network).
+        notes = settings / "@jupyterlab" / "apputils-extension"
+        notes.mkdir(parents=True, exist_ok=True)
+        (notes / "notification.jupyterlab-settings").write_text(
+            json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env.pop("JUPYTER_TOKEN", None)
+        return env
+
+    def start(self) -> "JupyterLab":
+        jupyter = shutil.which("jupyter", path=str(Path(sys.executable).parent))
+        for _ in range(3):  # a free port can be taken between the probe and the bind
+            self.port = free_port()
+            cmd = [jupyter, "lab", f"--notebook-dir={self.root / 'notebooks'}",
+                   "--ServerApp.open_browser=False", "--ServerApp.ip=127.0.0.1",
+                   f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+                   f"--IdentityProvider.token={self.token}",
+                   "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+            cmd += ["--allow-root"] if os.geteuid() == 0 else []   # containers, CI
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=self._env(),
+                                             cwd=self.root, start_new_session=True)
+            if self._wait_ready():
+                return self
+            self.stop()
+            if "in use" not in self.log.read_text():
+                break
+        raise RuntimeError(f"JupyterLab did not start; its log: {self.log}\n"
+                           + self.log.read_text()[-3000:])
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.start_timeout
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/api/status",
+                                         headers={"Authorization": f"token {self.token}"})
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                with urllib.request.urlopen(request, timeout=2) as reply:
+                    if reply.status == 200:
+                        return True
+            except (OSError, http.client.HTTPException):   # not listening, or starting
+                time.sleep(0.3)
+        return False
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM: it shuts its kernels down), then kill what is left."""
+        if self.proc is None:
+            return
+        below = descendants(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                below.update(descendants(self.proc.pid))
+                self.proc.kill()
+                self.proc.wait()
+        kill_leftovers(below)
+        self.proc = None
+
+    def __enter__(self) -> "JupyterLab":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
