@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # Where there is no GPU, torch comes from PyTorch's CPU index (a ~200 MB build instead
 # of the multi-GB CUDA one); NVIDIA machines take PyPI's CUDA build and cupy (extra
-# [gpu]); on ROCm set TORCH_INDEX to PyTorch's ROCm index, e.g.
-# TORCH_INDEX="--index-url https://download.pytorch.org/whl/rocm6.4".
+# [gpu]). torch itself is installed first, without its dependencies, so that only that
+# one look-up goes to PyTorch's index; everything else comes from PyPI. On ROCm:
+#   make setup TORCH_INDEX="--index-url https://download.pytorch.org/whl/rocm6.4" \
+#              DEPS_INDEX="--extra-index-url https://download.pytorch.org/whl/rocm6.4"
 HAS_NVIDIA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 ifeq ($(HAS_NVIDIA),yes)
 TORCH_INDEX ?=
@@ -15,6 +17,7 @@ else
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 EXTRAS ?= [dev]
 endif
+DEPS_INDEX ?=
 LAB ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.distlab-installed
@@ -29,8 +32,8 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
-	$(PY) -m pip install --quiet -e "$(EXTRAS_SPEC)" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet --no-deps "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
+	$(PY) -m pip install --quiet -e "$(EXTRAS_SPEC)" $(DEPS_INDEX)
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install the kit (CPU torch where there is no GPU)
