@@ -1,0 +1,377 @@
+"""Ring reduce-scatter, all-gather and all-reduce, built from point-to-point send/recv.
+
+The bandwidth-optimal all-reduce of Patarasuk & Yuan (2009, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations"), the one Baidu brought to deep
+learning (Gibiansky, 2017) and NCCL runs as its "ring" algorithm. K ranks stand in a
+ring; rank r sends only to r+1 and receives only from r-1. The buffer is cut into K
+chunks (as ``torch.tensor_split``: the first ``n % K`` are one element longer).
+
+* reduce-scatter, K-1 steps: at step s rank r sends chunk (r-s-1) mod K and receives
+  chunk (r-s-2) mod K, adding its own contribution. After the last step it holds chunk
+  r summed over all ranks.
+* all-gather, K-1 steps: at step t rank r sends chunk (r-t) mod K, the last one it
+  completed, and receives chunk (r-t-1) mod K straight into place.
+
+Each rank sends 2(K-1) chunks, 2(K-1)/K of the buffer, whatever K is: the cost is
+2(K-1)·α + 2(K-1)/K·N·β (α per message, β per byte), which no all-reduce can beat in
+the bandwidth term.
+
+This reference is written to be fast, not only right: every chunk is cut into pieces
+of at most :data:`PIECE_BYTES` that are pipelined (the receives of the next
+:data:`LOOKAHEAD` pieces are posted before the current one is reduced, and each piece
+goes on as soon as it is reduced), receives land straight in their final place when no
+addition is needed, the all-reduce works in place, and nothing is copied twice.
+``python -m distlab.ring_bench`` measures it against the backend's own all-reduce.
+
+:func:`record` runs the ring on K ranks and keeps every step's state, for the stepper
+in :mod:`distlab.viz.ring`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from distlab.comm import CommLog
+
+PIECE_BYTES = 4 << 20  # pieces of a chunk that are pipelined; each message costs ~α
+LOOKAHEAD = 4          # receives posted ahead of the one being reduced
+
+
+def chunks(tensor: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
+    """The K chunks of a 1-D buffer, as views (``torch.tensor_split``)."""
+    return torch.tensor_split(tensor, world_size)
+
+
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
+    """Element counts of the chunks of ``numel`` elements over ``world_size`` ranks."""
+    base, extra = divmod(numel, world_size)
+    return [base + (i < extra) for i in range(world_size)]
+
+
+# ------------------------------------------------------------------------ the API
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's chunk of the element-wise sum of ``tensor`` over the ranks of ``group``.
+
+    Chunk r of the flattened tensor (``torch.tensor_split`` into K pieces), summed
+    over ranks, as a new 1-D tensor; ``tensor`` itself is left unchanged. Point to
+    point only: K-1 steps, (K-1)/K of the buffer sent by each rank.
+    """
+    flat = _flat(tensor, "ring_reduce_scatter")
+    ring = _Ring(group)
+    out = torch.empty(chunk_sizes(flat.numel(), ring.size)[ring.rank], dtype=flat.dtype,
+                      device=flat.device)
+    for _ in ring.reduce_scatter(flat, out=out):
+        pass
+    return out
+
+
+def ring_all_gather(chunk: torch.Tensor, numel: int, group=None) -> torch.Tensor:
+    """The full 1-D buffer of ``numel`` elements whose chunk r came from rank r.
+
+    ``chunk`` is this rank's piece (``torch.tensor_split`` sizes); K-1 steps, (K-1)/K of
+    the buffer sent by each rank, every receive straight into its place.
+    """
+    flat = _flat(chunk, "ring_all_gather")
+    ring = _Ring(group)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"ring_all_gather: numel must be a non-negative int, got {numel!r}")
+    want = chunk_sizes(numel, ring.size)[ring.rank]
+    if flat.numel() != want:
+        raise ValueError(
+            f"ring_all_gather: rank {ring.rank} of {ring.size} owns chunk {ring.rank} of "
+            f"{numel} elements, which has {want} elements (torch.tensor_split sizes), but "
+            f"its chunk has {flat.numel()}; pass the chunk that ring_reduce_scatter returned")
+    out = torch.empty(numel, dtype=flat.dtype, device=flat.device)
+    chunks(out, ring.size)[ring.rank].copy_(flat)
+    for _ in ring.all_gather(out):
+        pass
+    return out
+
+
+def ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """In place: ``tensor`` becomes the element-wise sum over the ranks of ``group``.
+
+    A ring reduce-scatter then a ring all-gather on the tensor's own memory:
+    2(K-1) steps, 2(K-1)/K of the buffer sent by each rank. Returns ``tensor``.
+    """
+    flat = _flat(tensor, "ring_allreduce")
+    for _ in _Ring(group).allreduce(flat):
+        pass
+    return tensor
+
+
+# ------------------------------------------------------------------ the algorithm
+
+
+def _flat(tensor, who: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{who}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{who}: the tensor is not contiguous (a transpose or a strided "
+                         f"slice?); pass tensor.contiguous() and copy the result back")
+    return tensor.view(-1)
+
+
+class _Ring:
+    """This rank's place in the ring of ``group``, and the two phases as generators
+    that yield after each of their K-1 steps (:func:`record` looks at the buffer
+    there; the API functions just run them to the end)."""
+
+    def __init__(self, group=None, lookahead: int | None = None):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        if self.rank < 0:
+            raise ValueError("this rank is not a member of the group it was given")
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.next = ranks[(self.rank + 1) % self.size]   # global ranks, as send/recv want
+        self.prev = ranks[(self.rank - 1) % self.size]
+        self.lookahead = lookahead or LOOKAHEAD
+        self.grouped = dist.get_backend(group) == "nccl"
+
+    def start(self, sends, recvs) -> tuple[list, list[list]]:
+        """Start sends to the next rank and receives from the previous one. Returns the
+        works of the sends, and for each receive the works to wait for before reading it.
+
+        On gloo each is a call of its own, so that waiting for a receive never waits for
+        a send (a gloo send completes only once its receiver has posted the receive).
+        On NCCL they go as one group (``batch_isend_irecv``): a send and a receive
+        between the same two GPUs (K = 2) share a stream, and issued one by one each
+        would wait for the other; there, waiting only orders streams, not the host."""
+        if not self.grouped:
+            return ([dist.isend(t, self.next, self.group) for t in sends],
+                    [[dist.irecv(t, self.prev, self.group)] for t in recvs])
+        ops = ([dist.P2POp(dist.isend, t, self.next, self.group) for t in sends] +
+               [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs])
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return works, [works] * len(recvs)
+
+    def chunk(self, step: int, offset: int) -> int:
+        """Index of the chunk this rank handles at ``step`` with offset ``offset``."""
+        return (self.rank - step - offset) % self.size
+
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor | None = None):
+        """Steps of the reduce-scatter of ``flat``. With ``out`` (this rank's chunk of the
+        result), ``flat`` is only read and partial sums go to a work buffer; without it
+        the partial sums accumulate in ``flat`` itself, whose chunk r ends up summed."""
+        K = self.size
+        if K == 1:
+            if out is not None:
+                out.copy_(flat)
+            return
+        mine = chunks(flat, K)
+        if out is None:  # in place: receive into scratch, add into the buffer
+            piece = _piece_numel(flat)
+            scratch = [torch.empty(min(piece, mine[0].numel()), dtype=flat.dtype,
+                                   device=flat.device) for _ in range(self.lookahead)]
+        else:            # out of place: receive into a work buffer (or out), add ours to it
+            work = chunks(torch.empty_like(flat), K)
+        recvs = []       # (step, piece of mine, landing buffer) in the order they arrive
+        for s in range(K - 1):
+            c = self.chunk(s, 2)
+            for j, p in enumerate(_pieces(mine[c])):
+                if out is None:
+                    land = scratch[len(recvs) % self.lookahead][: p.numel()]
+                else:
+                    land = _pieces(out if s == K - 2 else work[c])[j]
+                recvs.append((s, p, land))
+        sends, posted = self.start(_pieces(mine[self.chunk(0, 1)]),
+                                   [land for _, _, land in recvs[: self.lookahead]])
+        for i, (s, p, land) in enumerate(recvs):
+            _wait(posted[i])
+            acc = p.add_(land) if out is None else land.add_(p)
+            if i + 1 == len(recvs) or recvs[i + 1][0] != s:
+                yield ("reduce-scatter", s + 1)
+            forward = [acc] if s < K - 2 else []
+            ahead = [recvs[i + self.lookahead][2]] if i + self.lookahead < len(recvs) else []
+            more_sends, more_recvs = self.start(forward, ahead)
+            sends += more_sends
+            posted += more_recvs
+        _wait(sends)
+
+    def all_gather(self, flat: torch.Tensor):
+        """Steps of the all-gather, in place: chunk r of ``flat`` is this rank's, the
+        others are received straight into their place."""
+        K = self.size
+        if K == 1:
+            return
+        mine = chunks(flat, K)
+        recvs = [(t, p) for t in range(K - 1) for p in _pieces(mine[self.chunk(t, 1)])]
+        sends, posted = self.start(_pieces(mine[self.rank]), [p for _, p in recvs[: self.lookahead]])
+        for i, (t, p) in enumerate(recvs):
+            _wait(posted[i])
+            if i + 1 == len(recvs) or recvs[i + 1][0] != t:
+                yield ("all-gather", t + 1)
+            forward = [p] if t < K - 2 else []
+            ahead = [recvs[i + self.lookahead][1]] if i + self.lookahead < len(recvs) else []
+            more_sends, more_recvs = self.start(forward, ahead)
+            sends += more_sends
+            posted += more_recvs
+        _wait(sends)
+
+    def allreduce(self, flat: torch.Tensor):
+        yield from self.reduce_scatter(flat)
+        yield from self.all_gather(flat)
+
+
+def _piece_numel(flat: torch.Tensor) -> int:
+    return max(1, PIECE_BYTES // flat.element_size())
+
+
+def _pieces(chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A chunk cut into about-equal pieces of at most PIECE_BYTES (none if it is empty).
+    Sender and receiver cut the same chunk, so their pieces match."""
+    if chunk.numel() == 0:
+        return ()
+    return torch.tensor_split(chunk, math.ceil(chunk.numel() / _piece_numel(chunk)))
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+# ------------------------------------------------------- what a ring's traffic is
+
+
+def bytes_sent(op: str, numel: int, element_size: int, rank: int, world_size: int,
+               direction: int = 1) -> int:
+    """Bytes ``rank`` sends in one ring ``op`` on ``numel`` elements, sending to
+    ``rank + direction``: every chunk but its own in a reduce-scatter, every chunk but
+    its successor's in an all-gather, both in an all-reduce; 2(K-1)/K·N in all."""
+    sizes = chunk_sizes(numel, world_size)
+    if world_size == 1:
+        return 0
+    rs = numel - sizes[rank]
+    ag = numel - sizes[(rank + direction) % world_size]
+    per_op = {"reduce_scatter": rs, "all_gather": ag, "all_reduce": rs + ag}
+    if op not in per_op:
+        raise ValueError(f"op must be one of {sorted(per_op)}, got {op!r}")
+    return per_op[op] * element_size
+
+
+def check_traffic(log: CommLog, op: str, numel: int, element_size: int, group=None) -> str | None:
+    """The first way this rank's ``log`` of one ring ``op`` differs from a ring, in plain
+    words (None when it is one): no collective; sends only to one neighbour and
+    receives only from the other; a message per step at least (K-1 steps per phase),
+    at most one chunk per message; the bytes of :func:`bytes_sent`."""
+    rank, K = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    used = sorted({e.op for e in log.collectives()})
+    if used:
+        return (f"it called {', '.join(used)} (a collective); a ring uses only point-to-point "
+                f"calls (send/recv, isend/irecv, batch_isend_irecv)")
+    sends = log.select(("send", "isend"))
+    recvs = log.select(("recv", "irecv"))
+    if K == 1:
+        return None if not log.events else (
+            f"with one rank there is nothing to exchange, but rank 0 made {len(log.events)} "
+            f"point-to-point calls")
+    to = sorted({ranks.index(e.peer) for e in sends if e.peer in ranks})
+    frm = sorted({ranks.index(e.peer) for e in recvs if e.peer in ranks})
+    nxt, prv = (rank + 1) % K, (rank - 1) % K
+    if not ((set(to) <= {nxt} and set(frm) <= {prv}) or (set(to) <= {prv} and set(frm) <= {nxt})):
+        return (f"rank {rank} sent to ranks {to} and received from ranks {frm}; in a ring each "
+                f"rank sends only to its next neighbour (rank {nxt}) and receives only from "
+                f"the previous one (rank {prv})")
+    direction = -1 if to == [prv] and prv != nxt else 1
+    steps = (K - 1) * (2 if op == "all_reduce" else 1)
+    carrying = sum(1 for e in sends if e.nbytes)
+    if numel >= K and carrying < steps:
+        return (f"rank {rank} sent {carrying} messages; a ring {op.replace('_', '-')} on {K} "
+                f"ranks takes {steps} steps, each passing one chunk to the next rank")
+    biggest = -(-numel // K) * element_size
+    large = [e.nbytes for e in sends if e.nbytes > biggest]
+    if large:
+        return (f"rank {rank} sent a message of {large[0]} bytes, more than one chunk "
+                f"({biggest} bytes at most): each ring step passes one chunk")
+    want = bytes_sent(op, numel, element_size, rank, K, direction)
+    got = sum(e.nbytes for e in sends)
+    if got != want:
+        which = {"reduce_scatter": "every chunk but its own",
+                 "all_gather": "every chunk but the one its receiver owns",
+                 "all_reduce": "every chunk but its own, then every chunk but its receiver's"}[op]
+        return (f"rank {rank} sent {got} bytes in all, but in a ring {op.replace('_', '-')} of "
+                f"{numel} element{'s' * (numel != 1)} on {K} ranks it sends {want}: {which}, "
+                f"once each")
+    return None
+
+
+# -------------------------------------------------------------- recording the steps
+
+
+@dataclasses.dataclass
+class RingRecord:
+    """A real run of the ring all-reduce, step by step.
+
+    ``holds[k][r][c]`` is the set of ranks whose contributions chunk c of rank r
+    holds after step k (k = 0 is the start); ``calls[k][r]`` the point-to-point calls
+    rank r made for step k, as its :class:`~distlab.comm.CommLog` saw them (op, peer,
+    bytes), and ``moved[k][r]`` the chunk that rank r received in step k.
+    """
+
+    world_size: int
+    numel: int
+    chunk_sizes: list[int]
+    labels: list[str]                        # "start", "reduce-scatter 1/3", ...
+    holds: list[list[list[frozenset[int]]]]
+    calls: list[list[list[tuple[str, int, int]]]]
+    moved: list[list[int | None]]
+
+    @property
+    def steps(self) -> int:
+        return len(self.labels) - 1
+
+
+def record(world_size: int = 4, numel: int | None = None, backend: str = "gloo") -> RingRecord:
+    """Run :func:`ring_allreduce`'s algorithm on ``world_size`` ranks and record each step.
+
+    Rank r contributes 2**r in every element (int64), so every element's value is the
+    set of ranks summed into it, read off its bits; the log of each rank says what it
+    sent and received in each step. Receives are not posted ahead, so that the buffer
+    seen after a step is exactly that step's result.
+    """
+    from distlab import launch
+
+    if world_size > 62:
+        raise ValueError("record() encodes ranks as bits of an int64: world_size <= 62")
+    numel = 2 * world_size if numel is None else numel
+    if numel < world_size:
+        raise ValueError(f"record() needs at least one element per chunk: numel >= "
+                         f"{world_size}, got {numel}")
+    runs = launch.run(_record_rank, world_size, numel, backend=backend, timeout=60)
+    labels = ["start"] + [f"{phase} {k}/{world_size - 1}" for phase, k in runs[0][0]]
+    sizes = chunk_sizes(numel, world_size)
+    steps = len(labels)
+    holds = [[[_ranks_in(runs[r][1][k], c, sizes) for c in range(world_size)]
+              for r in range(world_size)] for k in range(steps)]
+    calls = [[runs[r][2][k] for r in range(world_size)] for k in range(steps)]
+    moved = [[next((c for c in range(world_size) if k and holds[k][r][c] != holds[k - 1][r][c]),
+                   None) for r in range(world_size)] for k in range(steps)]
+    return RingRecord(world_size, numel, sizes, labels, holds, calls, moved)
+
+
+def _ranks_in(state: torch.Tensor, c: int, sizes: list[int]) -> frozenset[int]:
+    start = sum(sizes[:c])
+    if sizes[c] == 0:
+        return frozenset()
+    bits = int(state[start])
+    return frozenset(q for q in range(bits.bit_length()) if bits >> q & 1)
+
+
+def _record_rank(numel: int):
+    rank = dist.get_rank()
+    flat = torch.full((numel,), 1 << rank, dtype=torch.int64)
+    states, calls, steps = [flat.clone()], [[]], []
+    with CommLog() as log:
+        seen = 0
+        for step in _Ring(lookahead=1).allreduce(flat):
+            steps.append(step)
+            states.append(flat.clone())
+            calls.append([(e.op, e.peer, e.nbytes) for e in log.events[seen:]])
+            seen = len(log.events)
+    return steps, states, calls

@@ -1,0 +1,222 @@
+"""The ring all-reduce against the backend's own, measured in the same run.
+
+    python -m distlab.ring_bench                       # 4 gloo ranks, 64 KiB .. 64 MiB
+    python -m distlab.ring_bench --op reduce_scatter   # ring vs the backend's reduce-scatter
+    python -m distlab.ring_bench --backend nccl --world-size 2 --max-bytes 1G
+
+Three contenders per size: the backend's collective, :func:`plain_ring_allreduce` (the
+straightforward ring: a fresh buffer per step, ``+=``, a copy back at the end) and the
+reference :mod:`distlab.ring` (pipelined pieces, receives in place, no needless copies).
+They run interleaved, round after round, so that a machine whose speed drifts (a busy
+laptop, a shared CI box) slows all of them alike; each ratio is the median over rounds
+of ``time(backend) / time(contender)``, i.e. the contender's busbw over the backend's.
+busbw follows nccl-tests (:func:`distlab.comm.bus_factor`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from distlab import backend as backends
+from distlab import launch, ring
+from distlab.bench import time_op
+from distlab import comm
+from distlab.comm import bus_factor
+
+OPS = ("all_reduce", "reduce_scatter")
+DEFAULT_SIZES = tuple(1 << k for k in range(16, 27, 2))  # 64 KiB .. 64 MiB
+
+
+def plain_ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The ring as one first writes it: correct, and slow where it need not be.
+
+    Each step allocates a fresh receive buffer, ``+=`` makes the partial sums, the
+    chunks are copied out of the tensor at the start and back at the end, and each step
+    waits for its whole chunk before reducing (no pipelining)."""
+    K, r = dist.get_world_size(group), dist.get_rank(group)
+    if K == 1:
+        return tensor
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    nxt, prv = ranks[(r + 1) % K], ranks[(r - 1) % K]
+    parts = [c.clone() for c in torch.tensor_split(tensor.view(-1), K)]
+
+    def step(send, recv):
+        buf = torch.empty_like(parts[recv])
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[send], nxt, group),
+                                         dist.P2POp(dist.irecv, buf, prv, group)]):
+            w.wait()
+        return buf
+
+    for s in range(K - 1):
+        parts[(r - s - 2) % K] += step((r - s - 1) % K, (r - s - 2) % K)
+    for t in range(K - 1):
+        parts[(r - t - 1) % K] = step((r - t) % K, (r - t - 1) % K)
+    tensor.view(-1).copy_(torch.cat(parts))
+    return tensor
+
+
+def _backend_reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
+    K = dist.get_world_size(group)
+    if x.numel() % K:
+        raise ValueError(f"the backend's reduce_scatter_tensor needs a size divisible by "
+                         f"{K}, got {x.numel()} elements")
+    out = torch.empty(x.numel() // K, dtype=x.dtype, device=x.device)
+    comm.reduce_scatter_into(out, x, group=group)
+    return out
+
+
+def _allreduce_then_chunk(x: torch.Tensor, group=None) -> torch.Tensor:
+    """A reduce-scatter made of a whole all-reduce: what gloo does inside its own."""
+    dist.all_reduce(x, group=group)
+    return torch.tensor_split(x, dist.get_world_size(group))[dist.get_rank(group)]
+
+
+BACKEND = {"all_reduce": dist.all_reduce, "reduce_scatter": _backend_reduce_scatter}
+CONTENDERS = {
+    "all_reduce": {"plain ring": plain_ring_allreduce, "reference ring": ring.ring_allreduce},
+    "reduce_scatter": {"reference ring": ring.ring_reduce_scatter,
+                       "all_reduce, keep a chunk": _allreduce_then_chunk},
+}
+
+
+@dataclasses.dataclass
+class Result:
+    """Median seconds per size of each contender, and its busbw relative to the backend."""
+
+    op: str
+    world_size: int
+    backend: str
+    dtype: str
+    sizes: list[int]                   # message bytes, as nccl-tests counts them
+    seconds: dict[str, list[float]]    # name -> median seconds, per size ("backend" too)
+    ratio: dict[str, list[float]]      # name -> median over rounds of t(backend) / t(name)
+
+    def busbw(self, name: str) -> list[float]:
+        """Bytes per second, nccl-tests' bus bandwidth."""
+        f = bus_factor(self.op, self.world_size)
+        return [size * f / t for size, t in zip(self.sizes, self.seconds[name])]
+
+    def table(self) -> str:
+        names = list(self.seconds)
+        head = f"{'size':>10} " + " ".join(f"{n + ' GB/s':>20}" for n in names) + " " + " ".join(
+            f"{n + ' / backend':>28}" for n in names if n != "backend")
+        lines = [f"{self.op} busbw, {self.world_size} {self.backend} ranks, {self.dtype}", head]
+        for i, size in enumerate(self.sizes):
+            bw = " ".join(f"{self.busbw(n)[i] / 1e9:>20.3f}" for n in names)
+            rel = " ".join(f"{self.ratio[n][i]:>27.2f}x" for n in names if n != "backend")
+            lines.append(f"{size_label(size):>10} {bw} {rel}")
+        return "\n".join(lines)
+
+
+def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
+            backend: str = "gloo", rounds: int = 7, dtype: str = "float32",
+            contenders: dict | None = None, timeout: float = 600) -> Result:
+    """Time the backend's ``op`` and each contender (name -> ``fn(tensor)``, run on every
+    rank; default: :data:`CONTENDERS`) at each size, interleaved over ``rounds`` rounds.
+
+    Every contender's answer is first checked against the backend's: a wrong answer
+    has no speed. Functions defined in a notebook can be contenders."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    contenders = CONTENDERS[op] if contenders is None else contenders
+    name = backends.choose(world_size, backend)
+    runs = launch.run(_measure_rank, world_size, op, list(sizes), rounds, dtype, contenders,
+                      backend=name, timeout=timeout)
+    measured, seconds, ratio = runs[0]
+    return Result(op, world_size, name, dtype, measured, seconds, ratio)
+
+
+def _measure_rank(op, sizes, rounds, dtype, contenders):
+    K, device = dist.get_world_size(), backends.device()
+    dt = getattr(torch, dtype)
+    fns = {"backend": BACKEND[op], **contenders}
+    seconds = {n: [] for n in fns}
+    ratio = {n: [] for n in fns if n != "backend"}
+    measured = []
+    for size in launch.progress(sizes, desc=f"{op} sizes"):
+        numel = size // dt.itemsize
+        numel -= numel % K  # the backend's reduce_scatter_tensor wants equal chunks
+        measured.append(numel * dt.itemsize)
+        _check(op, fns, numel, dt, device)
+        x = torch.zeros(numel, dtype=dt, device=device)  # zeros: sums stay finite
+        times = {n: [] for n in fns}
+        for k in range(rounds + 1):
+            order = list(fns)[k % len(fns):] + list(fns)[: k % len(fns)]
+            for n in order:
+                t = time_op(lambda: fns[n](x), warmup=0, iters=1)
+                if k:  # round 0 is the warm-up
+                    times[n].append(t)
+        for n in fns:
+            seconds[n].append(statistics.median(times[n]))
+        for n in ratio:
+            ratio[n].append(statistics.median(b / t for b, t in zip(times["backend"], times[n])))
+    return measured, seconds, ratio
+
+
+def _check(op, fns, numel, dt, device):
+    """Every contender's answer equals the backend's (integers in floats: exact sums)."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(-8, 8, (numel,), generator=g).to(dt).to(device)
+    answers = {}
+    for n, fn in fns.items():
+        y = x.clone()
+        out = fn(y)
+        answers[n] = y if op == "all_reduce" else out
+    for n, got in answers.items():
+        if not torch.equal(got, answers["backend"]):
+            raise AssertionError(f"{n} gives a wrong {op} of {numel} elements; fix it "
+                                 f"before timing it")
+
+
+def size_label(nbytes: int) -> str:
+    """64 KiB, 16 MiB, ..."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m distlab.ring_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--op", choices=OPS, default="all_reduce")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl", "rccl"))
+    p.add_argument("--min-bytes", type=_bytes, default=DEFAULT_SIZES[0])
+    p.add_argument("--max-bytes", type=_bytes, default=DEFAULT_SIZES[-1])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--plot", default="build/ring_bench.png", help="where to save the figure ('' for none)")
+    a = p.parse_args(argv)
+    sizes = []
+    size = a.min_bytes
+    while size <= a.max_bytes:
+        sizes.append(size)
+        size *= 4
+    from distlab import ring_bench  # not __main__: the ranks import it rather than unpickle it
+
+    result = ring_bench.measure(a.op, sizes, a.world_size, a.backend, a.rounds, a.dtype)
+    print(result.table())
+    if a.plot:
+        import os
+
+        from distlab.viz.ring import plot_bench
+
+        os.makedirs(os.path.dirname(a.plot) or ".", exist_ok=True)
+        plot_bench(result).savefig(a.plot, dpi=120, bbox_inches="tight")
+        print(f"figure: {a.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""distlab.ring (the reference ring), distlab.ring_bench and distlab.viz.ring.
+
+Correctness is equality with the sum computed on one process. One launch per world
+size runs every case; the tests of 4 ranks come last so that they share warm ranks.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distlab import backend, launch, ring, ring_bench
+from distlab.comm import CommLog
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64)
+
+
+def _inputs(numel, dtype, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64:
+        return [torch.randint(-2**50, 2**50, (numel,), generator=g) for _ in range(K)]
+    return [torch.randint(-8, 8, (numel,), generator=g).to(dtype) for _ in range(K)]
+
+
+def _all_cases():
+    """Every case at the default piece size and at 12-byte pieces (many pieces per chunk,
+    so that the pipeline and its receive slots wrap around); returns the failures."""
+    default = ring.PIECE_BYTES
+    try:
+        return [f for piece_bytes in (default, 12) for f in _cases(piece_bytes)]
+    finally:
+        ring.PIECE_BYTES = default  # the ranks stay warm for the next launch
+
+
+def _cases(piece_bytes):
+    rank, K = dist.get_rank(), dist.get_world_size()
+    device = backend.device()
+    ring.PIECE_BYTES = piece_bytes
+    failures = []
+    lengths = {0, 1, max(K - 1, 1), 13, 101} | ({4099} if piece_bytes > 4099 * 8 else set())
+    for numel in sorted(lengths):
+        for dtype in DTYPES:
+            case = f"{numel} x {dtype}, K={K}, pieces of {piece_bytes} B"
+            xs = [x.to(device) for x in _inputs(numel, dtype, K, seed=numel)]
+            total = sum(x.double() for x in xs).to(dtype) if dtype != torch.int64 else sum(xs)
+            mine = torch.tensor_split(total, K)[rank]
+
+            x = xs[rank].clone()
+            with CommLog() as log:
+                out = ring.ring_allreduce(x)
+            if out is not x or not torch.equal(x, total):
+                failures.append(f"ring_allreduce {case}")
+            problem = ring.check_traffic(log, "all_reduce", numel, x.element_size())
+            if problem:
+                failures.append(f"ring_allreduce traffic {case}: {problem}")
+
+            x = xs[rank].clone()
+            with CommLog() as log:
+                got = ring.ring_reduce_scatter(x)
+            if not torch.equal(got, mine) or not torch.equal(x, xs[rank]):
+                failures.append(f"ring_reduce_scatter {case} (or it changed its input)")
+            if ring.check_traffic(log, "reduce_scatter", numel, x.element_size()):
+                failures.append(f"ring_reduce_scatter traffic {case}")
+
+            with CommLog() as log:
+                got = ring.ring_all_gather(mine.clone(), numel)
+            if not torch.equal(got, total):
+                failures.append(f"ring_all_gather {case}")
+            if ring.check_traffic(log, "all_gather", numel, x.element_size()):
+                failures.append(f"ring_all_gather traffic {case}")
+
+            y = xs[rank].clone()
+            ring_bench.plain_ring_allreduce(y)
+            if not torch.equal(y, total):
+                failures.append(f"plain_ring_allreduce {case}")
+    x = _inputs(35, torch.float32, K, seed=7)[rank].reshape(5, 7).to(device)  # any shape
+    ring.ring_allreduce(x)
+    if not torch.equal(x.cpu(), sum(_inputs(35, torch.float32, K, seed=7)).reshape(5, 7)):
+        failures.append("ring_allreduce of a 5x7 tensor")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_equals_the_single_process_sum(world_size):
+    for rank, failures in enumerate(launch.run(_all_cases, world_size, backend="gloo",
+                                               timeout=120)):
+        assert failures == [], f"rank {rank}: {failures[:5]}"
+
+
+@pytest.mark.multigpu
+def test_equals_the_single_process_sum_on_gpus():
+    """NCCL, 2 GPUs: sends and receives between the same two GPUs share a stream there,
+    so the reference groups them (ring._Ring.start); ungrouped, they would deadlock."""
+    for rank, failures in enumerate(launch.run(_all_cases, 2, backend="nccl", timeout=300)):
+        assert failures == [], f"rank {rank}: {failures[:5]}"
+
+
+def _subgroups():
+    """Rings over groups that are not the default one (group ranks are not global ranks)."""
+    rank = dist.get_rank()
+    results = {}
+    groups = {tuple(m): dist.new_group(m) for m in ([1, 2, 3], [0, 2], [3])}  # all ranks
+    for members, group in groups.items():
+        if rank not in members:
+            continue
+        x = torch.arange(10, dtype=torch.float64) * (rank + 1)
+        ring.ring_allreduce(x, group=group)
+        chunk = ring.ring_reduce_scatter(torch.full((7,), float(rank)), group=group)
+        full = ring.ring_all_gather(chunk, 7, group=group)
+        results[members] = (x.tolist(), full.tolist())
+    return results
+
+
+def test_subgroups():
+    runs = launch.run(_subgroups, 4, backend="gloo", timeout=60)
+    for members in ([1, 2, 3], [0, 2], [3]):
+        scale = sum(r + 1 for r in members)
+        want_sum = [float(i * scale) for i in range(10)]
+        want_full = [float(sum(members))] * 7
+        for r in members:
+            assert runs[r][tuple(members)] == (want_sum, want_full), (members, r)
+
+
+def _misuse():
+    errors = []
+    for call in (lambda: ring.ring_allreduce(torch.zeros(4, 6).t()),
+                 lambda: ring.ring_reduce_scatter([1.0, 2.0]),
+                 lambda: ring.ring_all_gather(torch.zeros(5), 13)):
+        try:
+            call()
+            errors.append(None)
+        except (TypeError, ValueError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_bad_input_names_the_fix():
+    contiguous, not_tensor, wrong_chunk = launch.run(_misuse, 4, backend="gloo", timeout=60)[0]
+    assert contiguous and "contiguous()" in contiguous
+    assert not_tensor and "torch.Tensor" in not_tensor
+    assert wrong_chunk and "4 elements" in wrong_chunk and "has 5" in wrong_chunk
+
+
+def _traffic_of_wrong_rings():
+    """check_traffic must catch what is not a ring."""
+    rank, K = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(12)
+    with CommLog() as collective:
+        dist.all_reduce(x)
+    with CommLog() as whole:  # the whole buffer around the ring, K-1 times
+        for _ in range(K - 1):
+            buf = torch.empty(12)
+            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % K),
+                                             dist.P2POp(dist.irecv, buf, (rank - 1) % K)]):
+                w.wait()
+    with CommLog() as star:   # everyone sends its chunk to everyone
+        ops = []
+        for q in range(K):
+            if q != rank:
+                ops += [dist.P2POp(dist.isend, x[:3].clone(), q),
+                        dist.P2POp(dist.irecv, torch.empty(3), q)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return [ring.check_traffic(log, "all_gather", 12, 4) for log in (collective, whole, star)]
+
+
+def test_check_traffic_catches_what_is_not_a_ring():
+    for collective, whole, star in launch.run(_traffic_of_wrong_rings, 4, backend="gloo"):
+        assert "all_reduce" in collective and "collective" in collective
+        assert "more than one chunk" in whole
+        assert "sends only to its next neighbour" in star
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("numel", [0, 1, 5, 13, 1000])
+def test_bytes_sent_total_is_the_ring_volume(K, numel):
+    sizes = ring.chunk_sizes(numel, K)
+    assert sizes == [c.numel() for c in torch.tensor_split(torch.empty(numel), K)]
+    total = sum(ring.bytes_sent("all_reduce", numel, 2, r, K) for r in range(K))
+    assert total == 2 * (K - 1) * numel * 2  # K ranks x 2(K-1)/K of N bytes
+    for direction in (1, -1):
+        rs = [ring.bytes_sent("reduce_scatter", numel, 1, r, K, direction) for r in range(K)]
+        ag = [ring.bytes_sent("all_gather", numel, 1, r, K, direction) for r in range(K)]
+        assert sum(rs) == sum(ag) == (K - 1) * numel
+
+
+@pytest.fixture(scope="module")
+def record4():
+    return ring.record(4, numel=10)
+
+
+def test_record_follows_the_algorithm(record4):
+    rec, K = record4, 4
+    assert rec.steps == 2 * (K - 1) and rec.chunk_sizes == [3, 3, 2, 2]
+    everyone = frozenset(range(K))
+    assert all(rec.holds[0][r][c] == {r} for r in range(K) for c in range(K))
+    for k in range(1, rec.steps + 1):
+        for r in range(K):
+            c = rec.moved[k][r]
+            before, after = rec.holds[k - 1][r][c], rec.holds[k][r][c]
+            sender = rec.holds[k - 1][(r - 1) % K][c]
+            if k < K:   # reduce-scatter: the sender's partial sum is added to ours
+                assert c == (r - k - 1) % K and after == before | sender and len(after) == k + 1
+            else:       # all-gather: a complete chunk replaces ours
+                assert after == everyone and sender == everyone
+            sent = [(op, peer, b) for op, peer, b in rec.calls[k][r] if op in ("send", "isend")]
+            got = [(op, peer, b) for op, peer, b in rec.calls[k][r] if op in ("recv", "irecv")]
+            chunk_bytes = 8 * rec.chunk_sizes[c]
+            assert got == [("irecv", (r - 1) % K, chunk_bytes)]
+            assert [(peer, b) for _, peer, b in sent] == [
+                ((r + 1) % K, 8 * rec.chunk_sizes[rec.moved[k][(r + 1) % K]])]
+    assert all(rec.holds[K - 1][r][r] == everyone for r in range(K))
+    assert all(h == everyone for row in rec.holds[-1] for h in row)
+
+
+def test_stepper_steps_and_draws(record4):
+    from distlab.viz.ring import RingStepper, cell_label, steps_figure
+
+    stepper = RingStepper(record4)
+    assert stepper.next.description == "next" and stepper.step == 0
+    first = stepper.image.value
+    stepper.next.click()
+    assert stepper.step == 1 and "step 1 of 6" in stepper.label.value
+    assert "reduce-scatter 1/3" in stepper.label.value and stepper.image.value != first
+    for _ in range(10):
+        stepper.next.click()
+    assert stepper.step == 6 and stepper.next.disabled and "all-gather 3/3" in stepper.label.value
+    stepper.reset.click()
+    assert stepper.step == 0 and stepper.prev.disabled
+    bundle = stepper._repr_mimebundle_()
+    assert bundle["image/png"].startswith(b"\x89PNG") and "RingStepper" in bundle["text/plain"]
+    assert len(steps_figure(record4).axes) == 8
+    assert cell_label(frozenset({0, 2}), 3, 4) == "a3+c3"
+    assert cell_label(frozenset(range(4)), 1, 4) == "Σ1"
+
+
+def test_bench_checks_answers_and_reports_ratios(tmp_path):
+    def wrong(x):
+        x.mul_(2)
+
+    with pytest.raises(launch.RankError, match="wrong all_reduce"):
+        ring_bench.measure("all_reduce", [4096], 4, rounds=1, contenders={"wrong": wrong})
+    result = ring_bench.measure("all_reduce", [4096, 65536], 4, rounds=2)
+    assert list(result.seconds) == ["backend", "plain ring", "reference ring"]
+    assert all(t > 0 for ts in result.seconds.values() for t in ts)
+    assert all(r > 0 for rs in result.ratio.values() for r in rs)
+    assert "reference ring / backend" in result.table()
+    rs = ring_bench.measure("reduce_scatter", [65536], 4, rounds=1)
+    assert list(rs.ratio) == ["reference ring", "all_reduce, keep a chunk"]
+    from distlab.viz.ring import plot_bench
+
+    plot_bench(result).savefig(tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_bench_cli(tmp_path, capsys):
+    plot = tmp_path / "ring.png"
+    assert ring_bench.main(["--min-bytes", "16K", "--max-bytes", "64K", "--rounds", "1",
+                            "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "16 KiB" in out and "64 KiB" in out and plot.stat().st_size > 0
