@@ -253,7 +253,7 @@ def test_under_torchrun_the_same_call_runs_in_process(tmp_path):
             return dist.get_rank() + x
 
         results = launch.run(work, 2, 10)
-        sys.stdout.write(f"results {results}\n")  # one write: the ranks share stdout
+        sys.stdout.write(f"results {results}\\n")  # one write: the ranks share stdout
     """))
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              "--nproc-per-node", "2", str(script)], stdout=subprocess.PIPE,
