@@ -223,7 +223,10 @@ def table(rows: list[Row]) -> str:
         lines += [f"# {op}", "#" + header[1:]]
         lines += [f"{r.size:>12} {r.count:>12} {r.dtype:>8} {r.seconds * 1e6:>11.1f} "
                   f"{r.algbw / 1e9:>12.3f} {r.busbw / 1e9:>12.3f}" for r in rows if r.op == op]
-        if op in fitted:
+        if op in fitted and fitted[op].bandwidth == float("inf"):
+            lines.append(f"# alpha-beta fit: latency {fitted[op].alpha * 1e6:.1f} us and no "
+                         f"size dependence: nothing crossed a link (one rank?)")
+        elif op in fitted:
             f = fitted[op]
             lines.append(f"# alpha-beta fit: latency {f.alpha * 1e6:.1f} us, algbw "
                          f"{f.bandwidth / 1e9:.3f} GB/s (busbw {f.busbw / 1e9:.3f} GB/s), "
@@ -275,6 +278,9 @@ def main(argv=None) -> None:
         parser.error(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
     print(f"# {backends.explain(args.world_size, args.backend)}; torch {torch.__version__}")
     print(f"# warm-up {args.warmup}, median of {args.iters} iterations, slowest rank")
+    if args.world_size == 1:
+        print("# one rank: nothing crosses a link, so the times are the per-call latency and "
+              "the bandwidths say nothing about the hardware")
     rows = run(ops, sizes(args.min_bytes, args.max_bytes, args.factor), args.world_size,
                args.backend, dtype, args.warmup, args.iters)
     print(table(rows))
