@@ -170,7 +170,8 @@ def test_progress_reports_from_rank_zero(capsys):
 
 
 def test_many_launches_in_parallel_never_collide():
-    """Each launch rendezvouses on a store whose port the OS picked: no collisions."""
+    """Each pool rendezvouses through a file of its own, and gloo connects on ports the
+    OS picks: parallel launches never collide."""
     results, errors = {}, []
 
     def one(i):

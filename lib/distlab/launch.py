@@ -341,7 +341,7 @@ class _Output:
 class _Rank:
     """One rank process of a pool: its channel, its output, its status board."""
 
-    def __init__(self, rank, world_size, name, store_addr, workdir):
+    def __init__(self, rank, world_size, name, workdir):
         from distlab.comm import StatusBoard
 
         self.rank = rank
@@ -350,7 +350,7 @@ class _Rank:
         self.stackfile = os.path.join(workdir, f"stack-{rank}.txt")
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world_size), DISTLAB_WORKER="1",
-                   DISTLAB_BACKEND=name, DISTLAB_STORE=store_addr, DISTLAB_DIR=workdir,
+                   DISTLAB_BACKEND=name, DISTLAB_DIR=workdir,
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
@@ -390,18 +390,13 @@ class _Pool:
     _ids = itertools.count()
 
     def __init__(self, world_size: int, name: str):
-        import torch.distributed as dist
-
         self.world_size, self.backend = world_size, name
         self.workdir = tempfile.mkdtemp(prefix="distlab-")
         self.tasks = 0  # launches run so far; output segment k+1 belongs to launch k
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                                   wait_for_workers=False)
-        addr = f"127.0.0.1:{self.store.port}"
         self.ranks: list[_Rank] = []
         try:
             for r in range(world_size):
-                self.ranks.append(_Rank(r, world_size, name, addr, self.workdir))
+                self.ranks.append(_Rank(r, world_size, name, self.workdir))
             self._wait_ready()
         except BaseException:
             self.close()

@@ -9,7 +9,6 @@ be explained.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import faulthandler
 import linecache
 import mmap
@@ -127,9 +126,9 @@ def main() -> None:
     comm.install()
     comm.post_status_to(board)
     backend = env["DISTLAB_BACKEND"]
-    host, port = env["DISTLAB_STORE"].rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
+    # the rendezvous: a file in the pool's own directory (ranks share one host), so no
+    # port is picked and parallel launches cannot collide
+    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
     device = None
     if backend == "nccl":
         device = torch.device("cuda", int(env["LOCAL_RANK"]))
