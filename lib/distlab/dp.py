@@ -33,8 +33,8 @@ def allreduce_gradients(module: nn.Module, group=None) -> None:
 
     The gradients are copied into one flat buffer per dtype and device and reduced with
     a single all-reduce: small tensors one by one would pay the latency of a collective
-    each (PyTorch's DDP groups them in buckets for the same reason). SUM, then divide,
-    since gloo has no ``ReduceOp.AVG``."""
+    each (PyTorch's DDP groups them in buckets for the same reason). SUM, then divide:
+    ``ReduceOp.AVG`` is not offered by every backend and version (older gloo lacks it)."""
     world = dist.get_world_size(group)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in module.parameters():
