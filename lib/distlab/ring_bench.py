@@ -101,14 +101,32 @@ class Result:
         return [size * f / t for size, t in zip(self.sizes, self.seconds[name])]
 
     def table(self) -> str:
+        """busbw in GB/s of every contender, then each one's busbw over the backend's.
+        Long names wrap over two header lines, so that a row stays under 100 columns."""
+        import textwrap
+
         names = list(self.seconds)
-        head = f"{'size':>10} " + " ".join(f"{n + ' GB/s':>20}" for n in names) + " " + " ".join(
-            f"{n + ' / backend':>28}" for n in names if n != "backend")
-        lines = [f"{self.op} busbw, {self.world_size} {self.backend} ranks, {self.dtype}", head]
+        others = [n for n in names if n != "backend"]
+        heads = [textwrap.wrap(n, 14) or [""] for n in names + others]
+        depth = max(len(h) for h in heads)
+        heads = [[""] * (depth - len(h)) + h for h in heads]  # names end on the same line
+        widths = [max(8, *(len(line) for line in h)) for h in heads]
+        left = len(names)
+
+        def row(first, cells):
+            return (f"{first:>9}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells[:left], widths))
+                    + "  |  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells[left:], widths[left:])))
+
+        lines = [f"{self.op}, {self.world_size} {self.backend} ranks, {self.dtype}: "
+                 f"busbw in GB/s  |  busbw / backend's",
+                 *(row("size" if d == depth - 1 else "", [h[d] for h in heads])
+                   for d in range(depth))]
         for i, size in enumerate(self.sizes):
-            bw = " ".join(f"{self.busbw(n)[i] / 1e9:>20.3f}" for n in names)
-            rel = " ".join(f"{self.ratio[n][i]:>27.2f}x" for n in names if n != "backend")
-            lines.append(f"{size_label(size):>10} {bw} {rel}")
+            lines.append(row(size_label(size),
+                             [f"{self.busbw(n)[i] / 1e9:.3f}" for n in names]
+                             + [f"{self.ratio[n][i]:.2f}x" for n in others]))
+        lines.append("ratios: " + "; ".join(f"{n} / backend" for n in others)
+                     + " (busbw; median over rounds)")
         return "\n".join(lines)
 
 

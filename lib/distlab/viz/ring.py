@@ -32,6 +32,13 @@ def cell_label(ranks, chunk: int, world_size: int) -> str:
     return "+".join(f"{_name(q)}{chunk}" for q in sorted(ranks))
 
 
+def _stacked(label: str, per_line: int = 2) -> str:
+    """``a1+c1+d1`` as two lines, ``a1+c1`` and ``+d1``: a cell fits two terms a line."""
+    terms = label.split("+")
+    lines = ["+".join(terms[i:i + per_line]) for i in range(0, len(terms), per_line)]
+    return "\n+".join(lines)
+
+
 def draw_step(record: RingRecord, k: int, ax) -> None:
     """Step ``k`` of ``record`` (0 = the start) on the matplotlib axes ``ax``."""
     from matplotlib.patches import FancyArrowPatch, Rectangle
@@ -44,7 +51,7 @@ def draw_step(record: RingRecord, k: int, ax) -> None:
     ax.axis("off")
     for c in range(K):
         ax.text(c + 0.5, -0.55, f"chunk {c}\n{record.chunk_sizes[c]} el.", ha="center",
-                va="center", fontsize=7)
+                va="center", fontsize=8)
     for r in range(K):
         ax.text(-0.1, r + 0.5, f"rank {r}\n({_name(r)})", ha="right", va="center", fontsize=8)
         for c in range(K):
@@ -55,9 +62,10 @@ def draw_step(record: RingRecord, k: int, ax) -> None:
                                    facecolor=cmap(0.12 + 0.75 * full),
                                    edgecolor="crimson" if changed else "0.6",
                                    linewidth=2.2 if changed else 0.6))
-            label = cell_label(ranks, c, K)
-            ax.text(c + 0.5, r + 0.5, label, ha="center", va="center",
-                    fontsize=min(10.0, 54 / max(len(label), 1)),
+            label = _stacked(cell_label(ranks, c, K))
+            longest = max(len(line) for line in label.split("\n"))
+            ax.text(c + 0.5, r + 0.5, label, ha="center", va="center", linespacing=1.1,
+                    fontsize=min(11.0, 60 / longest),
                     color="white" if full > 0.6 else "black",
                     fontweight="bold" if changed else "normal")
     sizes = set()
@@ -69,14 +77,14 @@ def draw_step(record: RingRecord, k: int, ax) -> None:
         sizes.update(b for op, _, b in record.calls[k][r] if op in ("recv", "irecv"))
         style = dict(arrowstyle="-|>", mutation_scale=9, color="crimson", linewidth=1.1)
         if src == r - 1:
-            ax.add_patch(FancyArrowPatch((c + 0.8, src + 0.62), (c + 0.8, r + 0.38), **style))
+            ax.add_patch(FancyArrowPatch((c + 0.88, src + 0.62), (c + 0.88, r + 0.38), **style))
         else:  # the ring closes: out below the last rank, in above the first
-            ax.add_patch(FancyArrowPatch((c + 0.8, src + 0.62), (c + 0.8, src + 1.3), **style))
-            ax.add_patch(FancyArrowPatch((c + 0.8, -0.3), (c + 0.8, r + 0.38), **style))
+            ax.add_patch(FancyArrowPatch((c + 0.88, src + 0.62), (c + 0.88, src + 1.3), **style))
+            ax.add_patch(FancyArrowPatch((c + 0.88, -0.3), (c + 0.88, r + 0.38), **style))
     if sizes:
         what = " or ".join(f"{b} B" for b in sorted(sizes))
         ax.text(K / 2, K + 0.4, f"rank r-1 → r: {what} (CommLog)",
-                ha="center", va="center", fontsize=7, color="crimson")
+                ha="center", va="center", fontsize=8, color="crimson")
     ax.set_title(record.labels[k], fontsize=10)
 
 
@@ -181,7 +189,6 @@ def plot_bench(result, ax=None):
         for name, ratio in result.ratio.items():
             ax2.plot(result.sizes, ratio, marker="o", label=name, color=colour[name])
         ax2.axhline(1.0, color=colour["backend"], linestyle="--", linewidth=1, label="backend")
-        ax2.axhline(0.8, color="crimson", linestyle=":", linewidth=1, label="0.8x")
         ax2.set_ylabel(f"busbw / backend's {result.op}")
         ax2.set_ylim(bottom=0)
         axes.append(ax2)
