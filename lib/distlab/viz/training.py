@@ -1,4 +1,4 @@
-"""Plots of training runs: the loss against the language's entropy floor, and our
+"""Plots of training runs: the loss against the language's floor, and our
 DataParallel against torch's DistributedDataParallel (lab 04)."""
 from __future__ import annotations
 
@@ -18,15 +18,21 @@ def smooth(values, window: int) -> np.ndarray:
 
 
 def plot_loss(losses, floor: float, vocab_size: int | None = None, window: int = 20,
-              title: str = "", ax=None):
+              title: str = "", ax=None, levels: dict | None = None,
+              floor_label: str = "window floor"):
     """Training loss (nats/token) per step, raw and smoothed over ``window`` steps,
-    with the exact entropy floor (the best any model can reach) and, given
-    ``vocab_size``, the loss ln(V) of a uniform guess."""
+    with the exact floor of the training window (the best mean loss any model can reach
+    over it, labelled ``floor_label``), other reference ``levels`` (label -> nats/token,
+    e.g. the best loss from the previous token alone) and, given ``vocab_size``, the
+    loss ln(V) of a uniform guess."""
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 4))
     steps = np.arange(len(losses))
     line, = ax.plot(steps, smooth(losses, window), lw=2, label=f"training loss ({window}-step mean)")
     ax.plot(steps, losses, color=line.get_color(), lw=0.6, alpha=0.3)
-    ax.axhline(floor, color="k", ls="--", lw=1.2, label=f"entropy floor {floor:.3f}")
+    ax.axhline(floor, color="k", ls="--", lw=1.2, label=f"{floor_label} {floor:.3f}")
+    for (label, value), color in zip((levels or {}).items(), ("tab:orange", "tab:green",
+                                                              "tab:purple", "tab:brown")):
+        ax.axhline(value, color=color, ls="-.", lw=1, label=f"{label} {value:.3f}")
     if vocab_size:
         ax.axhline(math.log(vocab_size), color="grey", ls=":", lw=1,
                    label=f"uniform guess ln {vocab_size} = {math.log(vocab_size):.3f}")
@@ -38,17 +44,21 @@ def plot_loss(losses, floor: float, vocab_size: int | None = None, window: int =
     return fig
 
 
-def plot_dp_vs_ddp(losses: dict, step_ms: dict, title: str = ""):
-    """Left: the loss per step of each implementation (``losses``: name -> list), and
-    their largest difference. Right: time per step (``step_ms``: name -> {world_size:
-    milliseconds}), grouped by world size."""
+def plot_dp_vs_ddp(losses: dict, step_ms: dict, title: str = "", reference: str | None = None):
+    """Left: the loss per step of each implementation (``losses``: name -> list), and the
+    largest difference of any of them from ``reference`` (a key of ``losses``; default:
+    the last). Right: time per step (``step_ms``: name -> {world_size: milliseconds}),
+    grouped by world size."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(losses)
     for i, name in enumerate(names):
         left.plot(losses[name], lw=2.5 if i == 0 else 1.2, ls="-" if i == 0 else "--", label=name)
     if len(names) >= 2:
-        gap = np.max(np.abs(np.asarray(losses[names[0]]) - np.asarray(losses[names[1]])))
-        left.set_title(f"loss per step (largest difference {gap:.1e})")
+        reference = names[-1] if reference is None else reference
+        ref = np.asarray(losses[reference])
+        gap = max(np.max(np.abs(np.asarray(losses[n]) - ref)) for n in names if n != reference)
+        left.set_title(f"loss per step (largest difference from {reference}: {gap:.1e})",
+                       fontsize=10)
     left.set_xlabel("step")
     left.set_ylabel("loss (nats/token)")
     left.grid(alpha=0.3)
