@@ -29,42 +29,27 @@ def plot_busbw(rows, fits=None, title: str = "", ax=None, logy: bool = True):
     (``distlab.bench.fits(rows)`` when ``fits`` is None). On log-log axes the latency
     regime is a straight line of slope 1 (busbw grows with the size) and the bandwidth
     regime a plateau."""
-    from matplotlib.lines import Line2D
+    def fitted(fit, size, first):
+        if not first.algbw:  # one rank: busbw is 0 by definition, nothing to fit
+            return None
+        return size / fit.seconds(size) * (first.busbw / first.algbw) / 1e9
 
-    from distlab import bench
-
-    fits = bench.fits(rows) if fits is None else fits
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 4))
-    drew_fit = False
-    for op in dict.fromkeys(r.op for r in rows):
-        mine = [r for r in rows if r.op == op]
-        size = np.array([r.size for r in mine], dtype=float)
-        line, = ax.plot(size, [r.busbw / 1e9 for r in mine], "o-", ms=3, label=op)
-        if op in fits and mine[0].algbw:
-            factor = mine[0].busbw / mine[0].algbw
-            grid = np.geomspace(size[0], size[-1], 100)
-            ax.plot(grid, grid / fits[op].seconds(grid) * factor / 1e9, "--",
-                    color=line.get_color(), lw=1, alpha=0.7)
-            drew_fit = True
-    sizes = [r.size for r in rows]
-    _size_axis(ax, min(sizes), max(sizes))
-    if logy:
-        ax.set_yscale("log")
-    ax.set_ylabel("busbw (GB/s)")
-    ax.set_title(title or "bus bandwidth")
-    ax.grid(alpha=0.3, which="both" if logy else "major")
-    handles, labels = ax.get_legend_handles_labels()
-    if drew_fit:
-        handles.append(Line2D([], [], color="gray", ls="--", lw=1))
-        labels.append("alpha-beta fit")
-    ax.legend(handles, labels, fontsize=8)
-    return fig
+    return _per_op(rows, fits, ax, lambda r: r.busbw / 1e9, fitted, "busbw (GB/s)",
+                   title or "bus bandwidth", logy)
 
 
 def plot_times(rows, fits=None, title: str = "", ax=None):
     """Time per call (us) against size on log-log axes, one line per op; dashed: the
     alpha-beta fit ``alpha + size / bandwidth`` (flat where latency dominates, slope 1
     where bandwidth does)."""
+    return _per_op(rows, fits, ax, lambda r: r.seconds * 1e6,
+                   lambda fit, size, first: fit.seconds(size) * 1e6, "time per call (us)",
+                   title or "time per call", True)
+
+
+def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool):
+    """One line per op of ``value(row)`` against size, and dashed, ``fitted(fit, sizes,
+    first row)`` from each op's alpha-beta fit."""
     from matplotlib.lines import Line2D
 
     from distlab import bench
@@ -75,18 +60,19 @@ def plot_times(rows, fits=None, title: str = "", ax=None):
     for op in dict.fromkeys(r.op for r in rows):
         mine = [r for r in rows if r.op == op]
         size = np.array([r.size for r in mine], dtype=float)
-        line, = ax.plot(size, [r.seconds * 1e6 for r in mine], "o-", ms=3, label=op)
-        if op in fits:
-            grid = np.geomspace(size[0], size[-1], 100)
-            ax.plot(grid, fits[op].seconds(grid) * 1e6, "--", color=line.get_color(), lw=1,
-                    alpha=0.7)
+        line, = ax.plot(size, [value(r) for r in mine], "o-", ms=3, label=op)
+        grid = np.geomspace(size[0], size[-1], 100)
+        curve = fitted(fits[op], grid, mine[0]) if op in fits else None
+        if curve is not None:
+            ax.plot(grid, curve, "--", color=line.get_color(), lw=1, alpha=0.7)
             drew_fit = True
     sizes = [r.size for r in rows]
     _size_axis(ax, min(sizes), max(sizes))
-    ax.set_yscale("log")
-    ax.set_ylabel("time per call (us)")
-    ax.set_title(title or "time per call")
-    ax.grid(alpha=0.3, which="both")
+    if logy:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both" if logy else "major")
     handles, labels = ax.get_legend_handles_labels()
     if drew_fit:
         handles.append(Line2D([], [], color="gray", ls="--", lw=1))
