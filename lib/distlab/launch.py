@@ -532,7 +532,7 @@ class _Pool:
                          "called different collectives, or the same one with different sizes "
                          "or dtypes (mismatched shapes across ranks).")
         if last_words:
-            lines += [f"Its last words (stderr):"] + [f"  {line}" for line in last_words]
+            lines += ["Its last words (stderr):"] + [f"  {line}" for line in last_words]
         lines += others
         return RankCrashed("\n".join(lines), rank.rank, rank.proc.returncode())
 
@@ -548,7 +548,7 @@ class _Pool:
                  f"timeout. All ranks were stopped." + (
                      f" Ranks {done} had finished." if done else "")]
         for r in stuck:
-            lines += [f"", f"rank {r.rank}: {where[r.rank]}", _indent(stacks[r.rank])]
+            lines += ["", f"rank {r.rank}: {where[r.rank]}", _indent(stacks[r.rank])]
         return LaunchTimeout("\n".join(lines), timeout, where, stacks)
 
     def _where(self, ranks) -> dict[int, str]:
