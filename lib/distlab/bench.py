@@ -205,14 +205,6 @@ def fits(rows: list[Row]) -> dict[str, Fit]:
     return {op: fit(rs) for op, rs in by_op.items() if len(rs) >= 2}
 
 
-def _human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
 def table(rows: list[Row]) -> str:
     """nccl-tests' columns (time in us, bandwidths in GB/s = 1e9 B/s), one block per op,
     each followed by its alpha-beta fit."""
@@ -230,7 +222,7 @@ def table(rows: list[Row]) -> str:
             f = fitted[op]
             lines.append(f"# alpha-beta fit: latency {f.alpha * 1e6:.1f} us, algbw "
                          f"{f.bandwidth / 1e9:.3f} GB/s (busbw {f.busbw / 1e9:.3f} GB/s), "
-                         f"latency = transfer at {_human(f.half_size)}")
+                         f"latency = transfer at {comm.human_bytes(f.half_size)}")
         lines.append("")
     return "\n".join(lines).rstrip()
 

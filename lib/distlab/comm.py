@@ -81,7 +81,7 @@ class CommEvent:
         peer = "" if self.peer is None else (
             f" {'to' if self.op in SENDS else 'from' if self.op in ('recv', 'irecv') else 'root'}"
             f" {self.peer}")
-        return f"{self.op}({_size(self.nbytes)}{' ' + self.dtype if self.dtype else ''}{peer})"
+        return f"{self.op}({human_bytes(self.nbytes)}{' ' + self.dtype if self.dtype else ''}{peer})"
 
 
 class CommLog:
@@ -154,13 +154,14 @@ class CommLog:
             rows[e.op][0] += 1
             rows[e.op][1] += e.nbytes
         lines = [f"rank {self.rank}: {len(self.events)} calls"]
-        lines += [f"  {op:<24}{n:>6} x  {_size(b):>10}" for op, (n, b) in rows.items()]
+        lines += [f"  {op:<24}{n:>6} x  {human_bytes(b):>10}" for op, (n, b) in rows.items()]
         return "\n".join(lines)
 
 
-def _size(nbytes: int) -> str:
+def human_bytes(nbytes: float) -> str:
+    """4.0 KiB, 16.0 MiB, ..."""
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
+        if abs(nbytes) < 1024 or unit == "GiB":
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
