@@ -201,6 +201,12 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
     return Result(name, len(passed), len(ran), verdict, message, len(blocked), seconds)
 
 
+def _pytest(report: Path, *args: str) -> list[str]:
+    """A pytest command line whose outcomes this module's plugin writes to ``report``."""
+    return [sys.executable, "-m", "pytest", "-q", "-p", "distlab.grading", "-p",
+            "no:cacheprovider", f"--distlab-report={report}", f"--rootdir={ROOT}", *args]
+
+
 def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
                    timeout: float = EXERCISE_TIMEOUT) -> Result:
     test_file = tests_dir / f"test_{name}.py"
@@ -208,8 +214,7 @@ def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
         return Result(name, 0, 0, "error", f"no tests for this exercise ({test_file} missing)")
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "distlab.grading",
-               "-p", "no:cacheprovider", f"--distlab-report={report}", f"--rootdir={ROOT}"]
+        cmd = _pytest(report, str(test_file))
         env = dict(os.environ, DISTLAB_STUDENT=str(module_path))
         start = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -266,9 +271,7 @@ def _count_tests(test_files: list[Path]) -> dict[str, tuple[int, int]]:
         return {}
     with tempfile.TemporaryDirectory(prefix="distlab-count-") as tmp:
         report = Path(tmp) / "report.json"
-        subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                        "distlab.grading", "-p", "no:cacheprovider", f"--distlab-report={report}",
-                        f"--rootdir={ROOT}", *map(str, files)],
+        subprocess.run(_pytest(report, "--collect-only", *map(str, files)),
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
         tests = json.loads(report.read_text()) if report.exists() else []
     counts: dict[str, list[int]] = {}
