@@ -115,6 +115,22 @@ class CommLog:
     def __setstate__(self, state):
         self.__dict__.update(state)
 
+    def records(self) -> list[dict]:
+        """The events as plain dicts: what a launched function returns where only plain
+        data may travel back (the autograder's ranks run untrusted code)."""
+        return [dataclasses.asdict(e) for e in self.events]
+
+    @classmethod
+    def from_records(cls, records: list[dict], rank: int = 0) -> "CommLog":
+        """A log rebuilt from :meth:`records`, for checks made outside the rank."""
+        log = cls.__new__(cls)
+        fields = {f.name for f in dataclasses.fields(CommEvent)}
+        log.events = [CommEvent(**{k: v for k, v in r.items() if k in fields}) for r in records]
+        for e in log.events:
+            e.group_ranks = tuple(e.group_ranks)
+        log.rank, log.origin = rank, 0.0
+        return log
+
     def select(self, op: str | tuple[str, ...] | None = None) -> list[CommEvent]:
         ops = (op,) if isinstance(op, str) else op
         return [e for e in self.events if ops is None or e.op in ops]
