@@ -66,19 +66,18 @@ def test_a_deadlock_is_reported_as_such_within_the_time_limit(tmp_path):
     (tests / "conftest.py").write_text((ROOT / "tests/exercises/conftest.py").read_text())
     path = _lab00_with(tmp_path, "    if dist.get_rank() == 0:\n"
                                  "        dist.all_reduce(tensor, group=group)\n    return tensor\n")
-    start = time.monotonic()
     (r,) = grading.grade(path, tests_dir=tests)
-    assert time.monotonic() - start < 60
+    assert r.seconds < 120, "the 3 s launch timeout, not the exercise's 300 s, ended it"
     assert r.verdict == "deadlock" and r.points == 0
     assert "rank 0 waiting in all_reduce" in r.message, r.message
 
 
 def test_a_runaway_answer_is_stopped_by_the_exercise_time_limit(tmp_path):
     path = _lab00_with(tmp_path, "    import time\n    time.sleep(3600)\n")
-    start = time.monotonic()
     (r,) = grading.grade(path, timeout=15)
-    assert time.monotonic() - start < 40
+    assert r.seconds < 15 + 30, "stopped at the exercise's time limit, with everything it ran"
     assert r.verdict == "timeout" and r.points == 0 and "15 s" in r.message
+    assert r.max_points >= 5, "a run that never reported keeps its points in the maximum"
 
 
 def test_the_command_line_prints_a_table_and_writes_json(tmp_path):
