@@ -9,7 +9,11 @@ multigpu; tests of a tier this machine cannot run are "blocked", not failed.
 
 Isolation: exercises never share a process; within one exercise's tests the ranks stay
 warm between launches (the launcher throws them away after any failure), which keeps
-a whole lab's grading within seconds per exercise.
+a whole lab's grading within seconds per exercise. What the grader guarantees against
+students' code, and what it does not, is in :mod:`distlab.sandbox`: the student's code
+runs only in sandboxed ranks (as an unprivileged user where the grader is root), the
+tests check plain data in a process that never imports it, the outcomes travel through
+a pipe, and every process of an exercise's run is killed before its grade is read.
 
 This module is also the pytest plugin (``-p distlab.grading``) that records, for each
 test, its outcome and the first failing check in plain words, and it offers
@@ -20,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
+import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,7 +97,8 @@ def blocked_reason(item) -> str | None:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--distlab-report", default=None, help="write per-test outcomes here")
+    parser.addoption("--distlab-report-fd", default=None, type=int,
+                     help="write per-test outcomes (JSON) to this inherited file descriptor")
 
 
 def _verdict_of(exc) -> tuple[str, str]:
@@ -121,10 +126,10 @@ def _verdict_of(exc) -> tuple[str, str]:
 
 
 class _Recorder:
-    """Writes each test's outcome and plain-words message to a JSON file."""
+    """Writes each test's outcome and plain-words message, as JSON, to a pipe."""
 
-    def __init__(self, path):
-        self.path, self.tests = path, []
+    def __init__(self, fd: int):
+        self.fd, self.tests = fd, []
 
     def pytest_collection_modifyitems(self, config, items):
         if config.option.collectonly:  # counting, not running: say what would be blocked
@@ -154,13 +159,20 @@ class _Recorder:
             self.tests.append({"test": report.nodeid, "outcome": kind, "message": message})
 
     def pytest_sessionfinish(self, session):
-        Path(self.path).write_text(json.dumps(self.tests, indent=1))
+        from distlab import launch
+
+        launch.shutdown(graceful=False)  # no rank of this run is left when the report goes
+        with os.fdopen(self.fd, "w") as f:
+            f.write(json.dumps(self.tests))
 
 
 def pytest_configure(config):
-    path = config.getoption("--distlab-report", default=None)
-    if path:
-        config.pluginmanager.register(_Recorder(path), "distlab-recorder")
+    fd = config.getoption("--distlab-report-fd", default=None)
+    if fd is not None:
+        from distlab import sandbox
+
+        sandbox.make_non_dumpable()
+        config.pluginmanager.register(_Recorder(fd), "distlab-recorder")
 
 
 # ------------------------------------------------------------------------ the grader
@@ -201,41 +213,69 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
     return Result(name, len(passed), len(ran), verdict, message, len(blocked), seconds)
 
 
-def _pytest(report: Path, *args: str) -> list[str]:
-    """A pytest command line whose outcomes this module's plugin writes to ``report``."""
+def _pytest(report_fd: int, *args: str) -> list[str]:
+    """A pytest command line whose outcomes this module's plugin writes to ``report_fd``."""
     return [sys.executable, "-m", "pytest", "-q", "-p", "distlab.grading", "-p",
-            "no:cacheprovider", f"--distlab-report={report}", f"--rootdir={ROOT}", *args]
+            "no:cacheprovider", f"--distlab-report-fd={report_fd}", f"--rootdir={ROOT}", *args]
+
+
+def _run_reported(args: list[str], env: dict, timeout: float,
+                  contained: bool = True) -> tuple[int | None, str, list | None]:
+    """Run pytest with ``args``, contained (:func:`distlab.sandbox.run_contained`) when
+    it may run a student's code; (exit status or None on timeout, output, the outcomes
+    it reported or None)."""
+    from distlab import sandbox
+
+    read, write = os.pipe()
+    report: list[bytes] = []
+    reader = threading.Thread(target=lambda: report.extend(iter(
+        lambda: os.read(read, 1 << 16), b"")), daemon=True)
+    reader.start()
+    try:
+        if contained:
+            code, out = sandbox.run_contained(_pytest(write, *args), env=env, cwd=ROOT,
+                                              timeout=timeout, pass_fds=[write])
+        else:
+            done = subprocess.run(_pytest(write, *args), env=env, cwd=ROOT, pass_fds=[write],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  timeout=timeout)
+            code, out = done.returncode, done.stdout.decode(errors="replace")
+    finally:
+        os.close(write)
+        reader.join(10)
+        os.close(read)
+    try:
+        tests = json.loads(b"".join(report)) if report else None
+    except ValueError:
+        tests = None
+    return code, out, tests if isinstance(tests, list) else None
 
 
 def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
-                   timeout: float = EXERCISE_TIMEOUT) -> Result:
+                   timeout: float = EXERCISE_TIMEOUT, max_points: int = 0,
+                   user: str = "") -> Result:
+    """Grade one exercise. ``max_points`` (from :func:`_count_tests`) stands when the run
+    breaks before reporting; ``user`` ("uid:gid") is who the student's code runs as."""
     test_file = tests_dir / f"test_{name}.py"
     if not test_file.exists():
         return Result(name, 0, 0, "error", f"no tests for this exercise ({test_file} missing)")
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = _pytest(report, str(test_file))
-        env = dict(os.environ, DISTLAB_STUDENT=str(module_path))
+        os.chmod(tmp, 0o711)  # the sandbox user may enter its own folders below, not list
+        env = dict(os.environ, DISTLAB_STUDENT=str(module_path), DISTLAB_SANDBOX="1",
+                   DISTLAB_SANDBOX_USER=user, TMPDIR=tmp)
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # pytest and every rank it launched
-            proc.communicate()
-            return Result(name, 0, 0, "timeout",
-                          f"the tests did not finish within {timeout:g} s (a deadlock the tests "
-                          f"did not catch, or far too slow)", seconds=time.monotonic() - start)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+        code, out, tests = _run_reported([str(test_file)], env, timeout)
         seconds = time.monotonic() - start
-        if not report.exists():
-            tail = "\n".join(out.strip().splitlines()[-5:])
-            return Result(name, 0, 0, "error", f"the test run broke before reporting: {tail}",
-                          seconds=seconds)
-        return _summarise(name, json.loads(report.read_text()), seconds)
+    if code is None:
+        return Result(name, 0, max_points, "timeout",
+                      f"the tests did not finish within {timeout:g} s (a deadlock the tests "
+                      f"did not catch, or far too slow)", seconds=seconds)
+    if tests is None:
+        tail = " | ".join(out.strip().splitlines()[-3:])
+        return Result(name, 0, max_points, "error",
+                      f"the test run ended before reporting (exit status {code}): {tail}",
+                      seconds=seconds)
+    return _summarise(name, tests, seconds)
 
 
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
@@ -243,24 +283,26 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     """Grade every exercise of the notebook at ``path``."""
     import nbformat
 
-    from distlab import notebook
+    from distlab import notebook, sandbox
 
     nb = nbformat.read(path, as_version=4)
     cells = {name: source for name, source in notebook.exercises(nb).items()
              if not only or name in only}
-    untouched = [name for name, source in cells.items() if notebook.is_untouched(source)]
-    counts = _count_tests([tests_dir / f"test_{name}.py" for name in untouched])
+    counts = _count_tests([tests_dir / f"test_{name}.py" for name in cells])
+    user, _ = sandbox.unprivileged_user()
     results = []
     with tempfile.TemporaryDirectory(prefix="distlab-student-") as tmp:
+        os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
         module.write_text(notebook.module_source(nb))
-        for name in cells:
-            if name in untouched:
-                runnable, blocked = counts.get(f"test_{name}.py", (0, 0))
+        module.chmod(0o644)
+        for name, source in cells.items():
+            runnable, blocked = counts.get(f"test_{name}.py", (0, 0))
+            if notebook.is_untouched(source):
                 results.append(Result(name, 0, runnable, "not attempted",
                                       "the cell still raises NotImplementedError", blocked))
             else:
-                results.append(grade_exercise(name, module, tests_dir, timeout))
+                results.append(grade_exercise(name, module, tests_dir, timeout, runnable, user))
     return results
 
 
@@ -269,13 +311,10 @@ def _count_tests(test_files: list[Path]) -> dict[str, tuple[int, int]]:
     files = [f for f in test_files if f.exists()]
     if not files:
         return {}
-    with tempfile.TemporaryDirectory(prefix="distlab-count-") as tmp:
-        report = Path(tmp) / "report.json"
-        subprocess.run(_pytest(report, "--collect-only", *map(str, files)),
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-        tests = json.loads(report.read_text()) if report.exists() else []
+    _, _, tests = _run_reported(["--collect-only", *map(str, files)], dict(os.environ), 300,
+                                contained=False)  # collecting runs no student code
     counts: dict[str, list[int]] = {}
-    for t in tests:
+    for t in tests or []:
         entry = counts.setdefault(Path(t["test"].split("::")[0]).name, [0, 0])
         entry[t["outcome"] == "blocked"] += 1
     return {name: (c[0], c[1]) for name, c in counts.items()}
@@ -297,8 +336,25 @@ def table(results: list[Result], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def _readable_notebook(path: Path) -> str:
+    """Why ``path`` cannot be graded ("" when it can)."""
+    import nbformat
+
+    if not path.is_file():
+        return f"{path} does not exist (or is not a file)"
+    try:
+        nbformat.read(path, as_version=4)
+    except Exception as exc:  # invalid JSON, not a notebook, unreadable
+        return (f"{path} is not a readable notebook ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); open it in JupyterLab "
+                f"and save it again, or restore it from git")
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
+
+    from distlab import sandbox
 
     parser = argparse.ArgumentParser(prog="python -m distlab.grade",
                                      description="Grade lab notebooks.")
@@ -308,16 +364,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for the tests of one exercise (default %(default)s)")
     parser.add_argument("--exercise", action="append", help="grade only this exercise")
     args = parser.parse_args(argv)
-    report = {}
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    sandbox.make_non_dumpable()
+    user, why = sandbox.unprivileged_user()
+    if not user and os.geteuid() == 0:
+        print(f"warning: students' code will run as root: {why}", file=sys.stderr)
+    report, unreadable = {}, 0
     for path in args.notebooks:
-        if not path.exists():
-            parser.error(f"{path} does not exist")
+        problem = _readable_notebook(path)
+        if problem:
+            print(f"\n{path}\nerror: {problem}", flush=True)
+            report[str(path)] = {"error": problem}
+            unreadable += 1
+            continue
         results = grade(path, timeout=args.timeout, only=args.exercise)
         print(table(results, title=f"\n{path}"), flush=True)
         report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
                                           "verdict": r.verdict, "message": r.message,
                                           "blocked": r.blocked} for r in results}
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, args.json)  # whole or not at all
         print(f"\nwrote {args.json}")
-    return 0
+    return 1 if unreadable else 0
