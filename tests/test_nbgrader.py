@@ -5,13 +5,15 @@ runs them).
 - The release nbgrader generates from solutions/ is labs/ plus one autograder cell after
   each exercise: every other cell's source equal, no outputs.
 - ``nbgrader autograde`` of a lab filled in with a partly wrong answer records, in its
-  gradebook, the points the kit's grader (``make grade``) gives the same notebook.
+  gradebook, the points the kit's grader (``make grade``) gives the same notebook: the
+  autograder cell prints the kit's verdict row, and the gradebook must agree with it.
 
 Skipped where nbgrader is not installed (it comes with the ``[dev]`` extra).
 """
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ import pytest
 
 pytest.importorskip("nbgrader")
 
-from distlab import course, grading, notebook  # noqa: E402
+from distlab import course, notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
@@ -85,6 +87,9 @@ def test_the_release_is_labs_plus_one_autograder_cell_per_exercise(released, poi
 
 
 def test_autograde_records_the_points_of_make_grade(released, points):
+    """nbgrader autograde of lab 00 with a partly wrong answer: the autograder cell prints
+    the kit's verdict (the row `make grade` prints) and nbgrader's gradebook holds the
+    same points."""
     lab = "00_setup"
     submission = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
     [cell] = [c for c in submission.cells if notebook.grade_id(c) == "all_reduce_mean"]
@@ -92,18 +97,22 @@ def test_autograde_records_the_points_of_make_grade(released, points):
     path = released / "submitted" / "alice" / lab / f"{lab}.ipynb"
     path.parent.mkdir(parents=True)
     nbformat.write(submission, path)
-
-    [kit] = grading.grade(path)
-    assert 0 < kit.points < kit.max_points, f"the kit should give part marks: {kit}"
     nbgrader(released, "autograde", lab, "--create")
+
+    graded = nbformat.read(released / "autograded" / "alice" / lab / f"{lab}.ipynb",
+                           as_version=4)
+    [cell] = [c for c in graded.cells if is_autograder(c)]
+    printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    row = re.search(r"^all_reduce_mean +(\d+)/(\d+)", printed, re.MULTILINE)
+    assert row, f"the autograder cell did not print the kit's verdict:\n{printed}"
+    kit_points, kit_max = map(int, row.groups())
+    assert 0 < kit_points < kit_max, f"the kit should give part marks:\n{printed}"
 
     from nbgrader.api import Gradebook
 
     with Gradebook(f"sqlite:///{released / 'gradebook.db'}") as gb:
         graded = gb.find_submission(lab, "alice")
         score, max_score = graded.score, graded.max_score
-    cell_points = points["all_reduce_mean"]
-    assert max_score == cell_points
-    assert score == pytest.approx(cell_points * kit.points / kit.max_points), (
-        f"nbgrader recorded {score}/{max_score}, the kit's grader gives "
-        f"{kit.points}/{kit.max_points}")
+    assert max_score == points["all_reduce_mean"]
+    assert score == pytest.approx(max_score * kit_points / kit_max), (
+        f"nbgrader recorded {score}/{max_score}, the kit's grader gives {kit_points}/{kit_max}")
