@@ -87,12 +87,12 @@ def write_course(course: Path, labs: list[str] | None = None, solutions: Path = 
     """Write the source notebooks (all of ``solutions``, or the ``labs`` named by their
     stem) into nbgrader course directory ``course``, and its config when it has none.
     ``points`` (exercise → points) defaults to each exercise's number of CPU tests."""
-    paths = sorted(solutions.glob("*.ipynb")) if not labs else [
-        solutions / f"{lab}.ipynb" for lab in labs]
+    every = sorted(solutions.glob("*.ipynb"))
+    paths = [solutions / f"{lab}.ipynb" for lab in labs] if labs else every
     for path in paths:
         if not path.exists():
             raise FileNotFoundError(f"{path} does not exist; the labs are "
-                                    f"{', '.join(p.stem for p in sorted(solutions.glob('*.ipynb')))}")
+                                    f"{', '.join(p.stem for p in every)}")
     books = {path: nbformat.read(path, as_version=4) for path in paths}
     if points is None:
         points = cpu_test_counts([name for nb in books.values()
@@ -127,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("course", type=Path, help="the nbgrader course directory")
     parser.add_argument("--lab", action="append", help="only this lab (e.g. 00_setup)")
     args = parser.parse_args(argv)
-    for path in write_course(args.course, args.lab):
+    try:
+        written = write_course(args.course, args.lab)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    for path in written:
         print(f"wrote {path}")
     print(f"next, in {args.course}: nbgrader generate_assignment NN_name")
     return 0
