@@ -280,9 +280,14 @@ def test_bench_checks_answers_and_reports_ratios(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_check_against_the_backend():
+    assert ring_bench.check(3, "gloo", [(3, "uint8"), (1, "float32"), (4097, "bfloat16")]) == []
+
+
 def test_bench_cli(tmp_path, capsys):
-    plot = tmp_path / "ring.png"
-    assert ring_bench.main(["--min-bytes", "16K", "--max-bytes", "64K", "--rounds", "1",
-                            "--plot", str(plot)]) == 0
+    assert ring_bench.main(["-b", "16K", "-e", "64K", "--rounds", "1", "--pieces", "8K",
+                            "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "16 KiB" in out and "64 KiB" in out and plot.stat().st_size > 0
+    assert "16 KiB" in out and "64 KiB" in out and "reference ring, 8.0 KiB pieces" in out
+    assert (tmp_path / "ring_bench.png").stat().st_size > 0
+    assert '"reference ring, 8.0 KiB pieces"' in (tmp_path / "ring_bench.json").read_text()

@@ -186,6 +186,15 @@ def human_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_label(nbytes: float) -> str:
+    """A message size for tables and axes: 64 KiB, 1.5 MiB (as short as it is exact)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
 class _State(threading.local):
     def __init__(self):
         self.logs: list[CommLog] = []
@@ -363,15 +372,26 @@ def install() -> None:
     _installed = True
 
 
+def untraced(fn):
+    """``fn`` without the tracer: what a benchmark times (the backend, not the
+    bookkeeping of every call, which costs tens of microseconds)."""
+    return getattr(fn, "__distlab_traced__", fn)
+
+
+def single_tensor_op(kind: str):
+    """torch's one-tensor ``"all_gather"`` or ``"reduce_scatter"``, by the name this
+    version prefers (``*_single`` from torch 2.13, ``*_tensor`` before)."""
+    new, old = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}[kind]
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
 def all_gather_into(output, input, group=None, async_op=False):
-    """All-gather into one tensor, by the name this version of torch prefers
-    (``all_gather_single`` from 2.13, ``all_gather_into_tensor`` before)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    """All-gather into one tensor (:func:`single_tensor_op`)."""
+    return single_tensor_op("all_gather")(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """Reduce-scatter from one tensor (``reduce_scatter_single`` from torch 2.13,
-    ``reduce_scatter_tensor`` before)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=async_op)
+    """Reduce-scatter from one tensor (:func:`single_tensor_op`)."""
+    return single_tensor_op("reduce_scatter")(output, input, op=op, group=group,
+                                              async_op=async_op)

@@ -172,7 +172,7 @@ def plot_bench(result, ax=None):
     :class:`distlab.ring_bench.Result`, with each contender's ratio to the backend."""
     import matplotlib.pyplot as plt
 
-    from distlab.ring_bench import size_label
+    from distlab.comm import size_label
 
     if ax is None:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
