@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from distlab import bench, launch
+from distlab import alphabeta, bench, launch
 from distlab.comm import bus_factor
 
 
@@ -79,13 +79,13 @@ def test_fit_recovers_latency_and_bandwidth():
         alpha, bw = rng.uniform(1e-6, 1e-3), rng.uniform(1e8, 1e11)
         rows = [bench.Row("all_gather", s, s // 4, "float32", alpha + s / bw, s / (alpha + s / bw),
                           s / (alpha + s / bw) * 0.75) for s in bench.sizes(1024, 1 << 26)]
-        f = bench.fit(rows)
+        f = alphabeta.fit(rows)
         assert f.alpha == pytest.approx(alpha, rel=1e-6)
         assert f.bandwidth == pytest.approx(bw, rel=1e-6)
         assert f.busbw == pytest.approx(bw * 0.75, rel=1e-6)
         assert f.seconds(f.half_size) == pytest.approx(2 * alpha)
     with pytest.raises(ValueError):
-        bench.fit(rows[:1])
+        alphabeta.fit(rows[:1])
 
 
 def test_sizes_and_size_parsing():
