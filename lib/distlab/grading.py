@@ -98,7 +98,11 @@ def blocked_reason(item) -> str | None:
 
 def pytest_addoption(parser):
     parser.addoption("--distlab-report-fd", default=None, type=int,
-                     help="write per-test outcomes (JSON) to this inherited file descriptor")
+                     help="stream per-test outcomes (JSON lines) to this inherited descriptor")
+    parser.addoption("--distlab-untouched", default="",
+                     help="comma-separated exercises to count but not run (not attempted)")
+    parser.addoption("--distlab-exercise-timeout", default=EXERCISE_TIMEOUT, type=float,
+                     help="seconds for all the tests of one exercise")
 
 
 def _verdict_of(exc) -> tuple[str, str]:
@@ -107,6 +111,9 @@ def _verdict_of(exc) -> tuple[str, str]:
 
     if isinstance(exc, LaunchTimeout):
         where = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
+        if all(w.startswith(("running", "computing")) for w in exc.where.values()):
+            return "timeout", (f"no answer within {exc.timeout:g} s, and no rank was waiting "
+                               f"for another: an endless loop, or far too slow ({where})")
         return "deadlock", f"deadlock: no answer within {exc.timeout:g} s ({where})"
     if isinstance(exc, NotImplementedError) or (
             isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
@@ -125,17 +132,54 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
-class _Recorder:
-    """Writes each test's outcome and plain-words message, as JSON, to a pipe."""
+def exercise_of(test_file: str) -> str:
+    """``.../test_NAME.py`` → ``NAME``."""
+    return Path(test_file).stem.removeprefix("test_")
 
-    def __init__(self, fd: int):
-        self.fd, self.tests = fd, []
+
+class _Recorder:
+    """Streams, as JSON lines to a pipe: the collected tests (and which this machine
+    cannot run), then each test's outcome and plain-words message, then the end. The
+    tests of untouched exercises are counted, not run; an exercise whose tests have used
+    up its time has the rest reported as timed out."""
+
+    def __init__(self, fd: int, untouched: set[str], budget: float):
+        self.out = os.fdopen(fd, "w", buffering=1)
+        self.untouched, self.budget = untouched, budget
+        self.spent: dict[str, float] = {}
+        self.exercise: dict[str, str] = {}  # test id → exercise
+
+    def _write(self, record: dict) -> None:
+        if "test" in record:
+            record["exercise"] = self.exercise.get(record["test"], "")
+        self.out.write(json.dumps(record) + "\n")
 
     def pytest_collection_modifyitems(self, config, items):
-        if config.option.collectonly:  # counting, not running: say what would be blocked
-            self.tests = [{"test": item.nodeid, "outcome": "blocked" if blocked_reason(item)
-                           else "collected", "message": blocked_reason(item) or ""}
-                          for item in items]
+        self.exercise = {item.nodeid: exercise_of(str(item.path)) for item in items}
+        self._write({"collected": [{"test": item.nodeid, "exercise": self.exercise[item.nodeid],
+                                    "blocked": blocked_reason(item) or ""} for item in items]})
+        skipped = [item for item in items if self.exercise[item.nodeid] in self.untouched]
+        if skipped:
+            items[:] = [item for item in items if item not in skipped]
+            config.hook.pytest_deselected(items=skipped)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        name = self.exercise.get(item.nodeid, "")
+        if self.spent.get(name, 0.0) > self.budget:
+            self._write({"test": item.nodeid, "outcome": "timeout", "message":
+                         f"the tests of this exercise did not finish within {self.budget:g} s "
+                         f"(a deadlock the tests did not catch, or far too slow)"})
+            yield
+            return
+        start = time.monotonic()
+        yield
+        self.spent[name] = self.spent.get(name, 0.0) + time.monotonic() - start
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item):
+        if self.spent.get(self.exercise.get(item.nodeid, ""), 0.0) > self.budget:
+            pytest.skip("timeout")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -145,25 +189,27 @@ class _Recorder:
             report.distlab_verdict = _verdict_of(call.excinfo.value)
 
     def pytest_runtest_logreport(self, report):
+        if self.spent.get(self.exercise.get(report.nodeid, ""), 0.0) > self.budget:
+            return  # already reported as timed out
         if report.when != "call" and report.outcome == "passed":
             return
         if report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             reason = reason.removeprefix("Skipped: ")
             kind = "blocked" if reason.startswith("blocked") else "skipped"
-            self.tests.append({"test": report.nodeid, "outcome": kind, "message": reason})
+            self._write({"test": report.nodeid, "outcome": kind, "message": reason})
         elif report.passed:
-            self.tests.append({"test": report.nodeid, "outcome": "passed", "message": ""})
+            self._write({"test": report.nodeid, "outcome": "passed", "message": ""})
         else:
             kind, message = getattr(report, "distlab_verdict", ("error", "the test broke"))
-            self.tests.append({"test": report.nodeid, "outcome": kind, "message": message})
+            self._write({"test": report.nodeid, "outcome": kind, "message": message})
 
     def pytest_sessionfinish(self, session):
         from distlab import launch
 
-        launch.shutdown(graceful=False)  # no rank of this run is left when the report goes
-        with os.fdopen(self.fd, "w") as f:
-            f.write(json.dumps(self.tests))
+        launch.shutdown(graceful=False)  # no rank of this run is left when the end is sent
+        self._write({"end": True})
+        self.out.close()
 
 
 def pytest_configure(config):
@@ -172,7 +218,10 @@ def pytest_configure(config):
         from distlab import sandbox
 
         sandbox.make_non_dumpable()
-        config.pluginmanager.register(_Recorder(fd), "distlab-recorder")
+        untouched = {n for n in config.getoption("--distlab-untouched").split(",") if n}
+        config.pluginmanager.register(
+            _Recorder(fd, untouched, config.getoption("--distlab-exercise-timeout")),
+            "distlab-recorder")
 
 
 # ------------------------------------------------------------------------ the grader
@@ -206,6 +255,7 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
         first = failed[0]
         verdict = ("not attempted" if kinds == {"not attempted"} and not passed else
                    "deadlock" if "deadlock" in kinds else
+                   "timeout" if "timeout" in kinds and not passed else
                    "partial" if passed else "fail")
         message = next((t for t in failed if t["outcome"] == "deadlock"), first)["message"]
         message = f"{first['test'].split('::')[-1]}: {message}" if verdict != "not attempted" \
@@ -214,73 +264,43 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
 
 
 def _pytest(report_fd: int, *args: str) -> list[str]:
-    """A pytest command line whose outcomes this module's plugin writes to ``report_fd``."""
+    """A pytest command line whose outcomes this module's plugin streams to ``report_fd``."""
     return [sys.executable, "-m", "pytest", "-q", "-p", "distlab.grading", "-p",
             "no:cacheprovider", f"--distlab-report-fd={report_fd}", f"--rootdir={ROOT}", *args]
 
 
-def _run_reported(args: list[str], env: dict, timeout: float,
-                  contained: bool = True) -> tuple[int | None, str, list | None]:
-    """Run pytest with ``args``, contained (:func:`distlab.sandbox.run_contained`) when
-    it may run a student's code; (exit status or None on timeout, output, the outcomes
-    it reported or None)."""
+def _run_reported(args: list[str], env: dict, timeout: float) -> tuple[int | None, str, list[dict]]:
+    """Run pytest with ``args`` under :func:`distlab.sandbox.run_contained`; (exit status or
+    None on timeout, output, the records it streamed)."""
     from distlab import sandbox
 
     read, write = os.pipe()
-    report: list[bytes] = []
-    reader = threading.Thread(target=lambda: report.extend(iter(
+    stream: list[bytes] = []
+    reader = threading.Thread(target=lambda: stream.extend(iter(
         lambda: os.read(read, 1 << 16), b"")), daemon=True)
     reader.start()
     try:
-        if contained:
-            code, out = sandbox.run_contained(_pytest(write, *args), env=env, cwd=ROOT,
-                                              timeout=timeout, pass_fds=[write])
-        else:
-            done = subprocess.run(_pytest(write, *args), env=env, cwd=ROOT, pass_fds=[write],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  timeout=timeout)
-            code, out = done.returncode, done.stdout.decode(errors="replace")
+        code, out = sandbox.run_contained(_pytest(write, *args), env=env, cwd=ROOT,
+                                          timeout=timeout, pass_fds=[write])
     finally:
         os.close(write)
         reader.join(10)
         os.close(read)
-    try:
-        tests = json.loads(b"".join(report)) if report else None
-    except ValueError:
-        tests = None
-    return code, out, tests if isinstance(tests, list) else None
-
-
-def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
-                   timeout: float = EXERCISE_TIMEOUT, max_points: int = 0,
-                   user: str = "") -> Result:
-    """Grade one exercise. ``max_points`` (from :func:`_count_tests`) stands when the run
-    breaks before reporting; ``user`` ("uid:gid") is who the student's code runs as."""
-    test_file = tests_dir / f"test_{name}.py"
-    if not test_file.exists():
-        return Result(name, 0, 0, "error", f"no tests for this exercise ({test_file} missing)")
-    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
-        os.chmod(tmp, 0o711)  # the sandbox user may enter its own folders below, not list
-        env = dict(os.environ, DISTLAB_STUDENT=str(module_path), DISTLAB_SANDBOX="1",
-                   DISTLAB_SANDBOX_USER=user, TMPDIR=tmp)
-        start = time.monotonic()
-        code, out, tests = _run_reported([str(test_file)], env, timeout)
-        seconds = time.monotonic() - start
-    if code is None:
-        return Result(name, 0, max_points, "timeout",
-                      f"the tests did not finish within {timeout:g} s (a deadlock the tests "
-                      f"did not catch, or far too slow)", seconds=seconds)
-    if tests is None:
-        tail = " | ".join(out.strip().splitlines()[-3:])
-        return Result(name, 0, max_points, "error",
-                      f"the test run ended before reporting (exit status {code}): {tail}",
-                      seconds=seconds)
-    return _summarise(name, tests, seconds)
+    records = []
+    for line in b"".join(stream).decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return code, out, records
 
 
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
           only: list[str] | None = None) -> list[Result]:
-    """Grade every exercise of the notebook at ``path``."""
+    """Grade every exercise of the notebook at ``path``: one contained pytest run over the
+    exercises' test files, each exercise's tests limited to ``timeout`` seconds."""
     import nbformat
 
     from distlab import notebook, sandbox
@@ -288,36 +308,54 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     nb = nbformat.read(path, as_version=4)
     cells = {name: source for name, source in notebook.exercises(nb).items()
              if not only or name in only}
-    counts = _count_tests([tests_dir / f"test_{name}.py" for name in cells])
+    files = {name: tests_dir / f"test_{name}.py" for name in cells}
+    missing = {name for name, f in files.items() if not f.exists()}
+    untouched = {name for name, source in cells.items() if notebook.is_untouched(source)}
     user, _ = sandbox.unprivileged_user()
-    results = []
-    with tempfile.TemporaryDirectory(prefix="distlab-student-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
         module.write_text(notebook.module_source(nb))
         module.chmod(0o644)
-        for name, source in cells.items():
-            runnable, blocked = counts.get(f"test_{name}.py", (0, 0))
-            if notebook.is_untouched(source):
-                results.append(Result(name, 0, runnable, "not attempted",
-                                      "the cell still raises NotImplementedError", blocked))
-            else:
-                results.append(grade_exercise(name, module, tests_dir, timeout, runnable, user))
+        runs = Path(tmp) / "tmp"
+        runs.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
+        env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
+                   DISTLAB_SANDBOX_USER=user, TMPDIR=str(runs))
+        attempted = len(set(cells) - untouched - missing)
+        start = time.monotonic()
+        code, out, records = (None, "", []) if len(missing) == len(cells) else _run_reported(
+            [f"--distlab-untouched={','.join(sorted(untouched))}",
+             f"--distlab-exercise-timeout={timeout}",
+             *(str(f) for name, f in files.items() if name not in missing)],
+            env, timeout * attempted + 120)
+        seconds = time.monotonic() - start
+    collected = next((r["collected"] for r in records if "collected" in r), [])
+    outcomes = {r["test"]: r for r in records if "outcome" in r}
+    ended = any(r.get("end") for r in records)
+    broke = ("the tests did not finish within their time limit" if code is None else
+             f"the test run ended before this test (exit status {code}): "
+             f"{' | '.join(out.strip().splitlines()[-2:])}")
+    results = []
+    for name in cells:
+        mine = [c for c in collected if c.get("exercise") == name]
+        runnable = sum(not c["blocked"] for c in mine)
+        if name in missing:
+            results.append(Result(name, 0, 0, "error", f"no tests for this exercise "
+                                                        f"({files[name]} missing)"))
+        elif name in untouched:
+            results.append(Result(name, 0, runnable, "not attempted",
+                                  "the cell still raises NotImplementedError", len(mine) - runnable))
+        elif not mine:
+            results.append(Result(name, 0, 0, "error", "its tests could not be collected: " +
+                                  " | ".join(out.strip().splitlines()[-3:])))
+        else:
+            tests = [outcomes.get(c["test"]) or (
+                {"test": c["test"], "outcome": "blocked", "message": c["blocked"]} if c["blocked"]
+                else {"test": c["test"], "outcome": "timeout" if code is None else "error",
+                      "message": broke if not ended else "the test reported no outcome"})
+                     for c in mine]
+            results.append(_summarise(name, tests, seconds / max(attempted, 1)))
     return results
-
-
-def _count_tests(test_files: list[Path]) -> dict[str, tuple[int, int]]:
-    """file name → (tests this machine can run, tests blocked), without running any."""
-    files = [f for f in test_files if f.exists()]
-    if not files:
-        return {}
-    _, _, tests = _run_reported(["--collect-only", *map(str, files)], dict(os.environ), 300,
-                                contained=False)  # collecting runs no student code
-    counts: dict[str, list[int]] = {}
-    for t in tests or []:
-        entry = counts.setdefault(Path(t["test"].split("::")[0]).name, [0, 0])
-        entry[t["outcome"] == "blocked"] += 1
-    return {name: (c[0], c[1]) for name, c in counts.items()}
 
 
 def table(results: list[Result], title: str = "") -> str:

@@ -302,19 +302,39 @@ def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         code = None
-        if mode == "subreaper":  # the supervisor kills its tree, then exits
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                pass
-    except BaseException:
-        _kill_session(proc)
-        raise
+        _stop(proc, mode)
     finally:
         _kill_session(proc)
     reader.join(5)
     return code, b"".join(chunks).decode(errors="replace")
+
+
+def _stop(proc: subprocess.Popen, mode: str) -> None:
+    """Ask the supervisor to kill its tree (SIGTERM) and wait for it; in a PID namespace the
+    supervisor is unshare's child, reached through a pidfd checked to be that child."""
+    fd = -1
+    if mode == "pidns":
+        for pid in _children(of=proc.pid):
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            if _children(of=proc.pid).count(pid):  # still unshare's child: the pidfd is it
+                break
+            os.close(fd)
+            fd = -1
+        if fd < 0:
+            return
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(15)  # the supervisor has swept its tree once it (and unshare) exit
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -328,9 +348,9 @@ def _kill_session(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _children() -> list[int]:
-    """PIDs whose parent is this process (from /proc)."""
-    me, found = os.getpid(), []
+def _children(of: int | None = None) -> list[int]:
+    """PIDs whose parent is ``of`` (this process by default), from /proc."""
+    me, found = os.getpid() if of is None else of, []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
