@@ -331,24 +331,6 @@ def test_each_rank_holds_what_the_accounting_says(world):
             assert held == want, f"{kind}, rank {rank} of {world}: {held} != {want}"
 
 
-def test_the_papers_figures():
-    gb = [memory.zero_bytes(7.5e9, 64, s) / 1e9 for s in memory.STAGES]
-    assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
-    assert memory.zero_bytes(175e9, 1, 0) == 16 * 175e9 == 2.8e12
-    assert memory.human(2.8e12) == "2.8 TB" and memory.human(1.875e9) == "1.88 GB"
-    with pytest.raises(ValueError, match="stage"):
-        memory.zero_bytes(1, 1, 4)
-
-
-def test_accounting_sums_to_the_formula_when_shards_are_even():
-    psi, world = 1 << 20, 8
-    for stage in memory.STAGES:
-        got = memory.accounting([psi], world, 3, stage).total
-        formula = memory.zero_bytes(psi, world, stage)
-        extra = {2: 2 * psi / world}.get(stage, 0)   # stage 2's gradient shard is fp32
-        assert got == formula + extra, stage
-
-
 # -------------------------------------------------------------------- the rest
 
 
@@ -436,6 +418,8 @@ def on_gpus(kind):
         loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) * shard_loss_weight(
             len(x), BATCH, world)
         loss.backward()
+        if hasattr(net, "finish_gradient_synchronization"):
+            net.finish_gradient_synchronization()
         opt.step()
         losses.append(loss.detach())
     losses = torch.stack(losses)
@@ -452,3 +436,23 @@ def test_every_stage_trains_like_one_process_on_gpus():
             torch.testing.assert_close(losses, ref_losses, msg=f"{kind}, rank {rank}")
             for name, value in final.items():
                 torch.testing.assert_close(value.cpu(), ref_weights[name], msg=f"{kind}: {name}")
+
+
+def test_the_gpu_bench_runs_on_cpus_and_reports():
+    """python -m distlab.zero_bench's sections on 2 gloo ranks and the test GPT: the
+    memory and speed code paths run (CUDA figures are zeros here), the table and the
+    figure come out."""
+    from distlab import zero_bench
+    from distlab.viz.zero import plot_gpu_figures
+
+    results = launch.run(zero_bench.rank_bench, 2, config("test", vocab_size=VOCAB), 2, 8, 2, 1,
+                         ("kernel", "memory", "speed"), backend="gloo", timeout=120)
+    assert results[0]["kernel"] == {"skipped": "needs CUDA and cupy"}
+    for rank, r in enumerate(results):
+        assert "error" not in r["memory"] and "error" not in r["speed"], r
+        for strategy in zero_bench.STRATEGIES:
+            m = r["memory"][strategy]
+            assert m["held"] == m["accounting"], f"rank {rank}, {strategy}"
+    text = zero_bench.report(results)
+    assert "ZeRO-3 / FSDP2" not in text and "ratio" in text and "ZeRO-2" in text
+    assert plot_gpu_figures(results).axes

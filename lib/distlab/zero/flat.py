@@ -103,6 +103,8 @@ def reduce_scatter_mean(flat: torch.Tensor, layout: Layout, group=None,
     backend and version). Its message is ``padded_numel`` elements (nccl-tests counts
     a reduce-scatter by its input)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:                     # one rank: its gradient is the mean, no collective
+        return Pending(None, lambda: flat)
     start, end = layout.bounds(rank)
     out = flat.new_empty(layout.chunk)
     work = reduce_scatter_into(out, layout.pad(flat), op=dist.ReduceOp.SUM, group=group,
@@ -114,6 +116,8 @@ def all_gather_shards(shard: torch.Tensor, layout: Layout, out: torch.Tensor, gr
                       async_op: bool = False) -> Pending:
     """Fill ``out`` (``numel`` elements) with every rank's shard; ``shard`` is this
     rank's and must not share memory with ``out``."""
+    if layout.world_size == 1:
+        return Pending(None, lambda: out.copy_(shard))
     if layout.even:
         chunk, target = shard, out
     else:
@@ -122,6 +126,17 @@ def all_gather_shards(shard: torch.Tensor, layout: Layout, out: torch.Tensor, gr
         target = out.new_empty(layout.padded_numel)
     work = all_gather_into(target, chunk, group=group, async_op=async_op)
     return Pending(work if async_op else None, lambda: layout.unpad(target, out))
+
+
+def check_group(group, what: str) -> None:
+    """Say what is wrong before a collective fails: no process group, or this rank not
+    in ``group``."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs a process group: call it inside a function run by "
+                           f"distlab.launch.run (or under torchrun)")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this rank is not a member of group: build the {what} only on the "
+                         f"ranks of the group")
 
 
 def source_rank(group) -> int:

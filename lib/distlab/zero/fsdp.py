@@ -34,6 +34,9 @@ data parallelism); stage 3 one more all-gather (3Ψ).
 
 ``shard_parameters=False`` gives stage 2: parameters stay whole on every rank between
 steps (re-gathered at each forward), gradients and optimizer states are sharded.
+
+Each forward must be followed by its backward before the next forward (micro-batches
+accumulate: each backward adds its reduce-scattered shard to the pieces' gradients).
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.dp import _check_devices
-from distlab.zero.flat import FlatParams, source_rank
+from distlab.zero.flat import FlatParams, check_group, source_rank
 
 
 class _Unit:
@@ -85,12 +88,7 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got "
                             f"{type(module).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError("FullyShardedDataParallel needs a process group: call it inside "
-                               "a function run by distlab.launch.run (or under torchrun)")
-        if dist.get_rank(group) < 0:
-            raise ValueError("this rank is not a member of group: wrap the model only on the "
-                             "ranks of the group")
+        check_group(group, "FullyShardedDataParallel")
         _check_devices(module)
         self.module, self.group = module, group
         self.shard_parameters, self.prefetch = shard_parameters, prefetch
@@ -123,7 +121,10 @@ class FullyShardedDataParallel(nn.Module):
 
             def walk(m):
                 for child in m.children():
-                    units.append(child) if isinstance(m, nn.ModuleList) else walk(child)
+                    if isinstance(m, nn.ModuleList):
+                        units.append(child)
+                    else:
+                        walk(child)
 
             walk(module)
         prefix = {id(m): name for name, m in module.named_modules()}

@@ -78,10 +78,8 @@ def material_indices(total: int, rank: int, world_size: int, block: int = BLOCK)
 def coverage(indices_of, total: int, world_size: int, block: int = BLOCK) -> np.ndarray:
     """How many ranks update each element, given ``indices_of(total, rank, world,
     block)``: all ones when the shards tile the buffer."""
-    counts = np.zeros(total, dtype=np.int64)
-    for rank in range(world_size):
-        np.add.at(counts, indices_of(total, rank, world_size, block), 1)
-    return counts
+    return sum(np.bincount(indices_of(total, rank, world_size, block), minlength=total)
+               for rank in range(world_size))
 
 
 def _cupy():

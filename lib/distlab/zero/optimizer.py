@@ -32,9 +32,8 @@ Gradients, two ways:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from distlab.zero.flat import FlatParams
+from distlab.zero.flat import FlatParams, check_group
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -52,12 +51,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_cls, group=None, average_gradients: bool = True,
                  **defaults):
-        if not dist.is_initialized():
-            raise RuntimeError("ShardedOptimizer needs a process group: call it inside a "
-                               "function run by distlab.launch.run (or under torchrun)")
-        if dist.get_rank(group) < 0:
-            raise ValueError("this rank is not a member of group: build the ShardedOptimizer "
-                             "only on the ranks of the group")
+        check_group(group, "ShardedOptimizer")
         self.group, self.average_gradients = group, average_gradients
         self.units: list[list[FlatParams]] = []     # per param group
         self._where: dict[int, tuple[FlatParams, int]] = {}
