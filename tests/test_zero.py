@@ -3,7 +3,8 @@
 size), how it was done (CommLog), what each rank holds (distlab.memory), state dicts,
 fp16 loss scaling, subgroups, bad input, and the AdamW kernel's index arithmetic.
 
-One launch per world size runs every case, so each world size costs one start."""
+One launch of 4 ranks runs every case at 4, 3, 2 and 1 ranks (process groups of those
+sizes), so the module costs one start of 4 ranks."""
 import sys
 
 import cloudpickle
@@ -91,19 +92,19 @@ def train(kind, rank, world, steps=STEPS, group=None):
     return losses / world, weights(model, net), log.records(), opt
 
 
-def bf16_bytes(kind, rank, world):
+def bf16_bytes(kind, group, solo):
     """What a rank holds at the end of backward of the second bf16 step, every
     parameter training (the accounting counts a gradient and moments for each)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     model = tied()
     if kind == "stage0":               # data parallel: an optimizer over a group of one
-        solo = [dist.new_group([r]) for r in range(world)][rank]
         model = model.to(torch.bfloat16)
-        net, opt = DataParallel(model), ShardedOptimizer(
+        net, opt = DataParallel(model, group), ShardedOptimizer(
             model.parameters(), torch.optim.AdamW, solo, average_gradients=False, **ADAMW)
     elif kind == "stage1":
-        net, opt = wrap(kind, model.to(torch.bfloat16))
+        net, opt = wrap(kind, model.to(torch.bfloat16), group)
     else:
-        net, opt = wrap(kind, model, compute_dtype=torch.bfloat16)
+        net, opt = wrap(kind, model, group, compute_dtype=torch.bfloat16)
     for step in range(2):
         opt.zero_grad()
         loss_of(net, step, rank, world).backward()
@@ -113,12 +114,12 @@ def bf16_bytes(kind, rank, world):
     return memory.held_bytes(net, opt).as_dict(), units
 
 
-def fp16_skip(rank, world):
+def fp16_skip(group):
     """A step whose gradient overflows on rank 1 only is skipped on every rank."""
-    model = awkward(torch.float32)
-    net = FullyShardedDataParallel(model, torch.float16)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    net = FullyShardedDataParallel(awkward(torch.float32), torch.float16, group)
     opt = torch.optim.AdamW(net.parameters(), **ADAMW)
-    scaler = DynamicLossScaler(init_scale=1024.0)
+    scaler = DynamicLossScaler(init_scale=1024.0, group=group)
     stepped, scales = [], []
     for step in range(3):
         opt.zero_grad()
@@ -135,15 +136,7 @@ def fp16_skip(rank, world):
     return stepped, scales
 
 
-def subgroup(rank, world):
-    """Ranks 0 and 2 train stage 3 between themselves; the others do nothing."""
-    pair = dist.new_group([0, 2])
-    if rank not in (0, 2):
-        return None
-    return train("stage3", [0, 2].index(rank), 2, group=pair)[:2]
-
-
-def bad_input(rank, world):
+def bad_input():
     out = []
     for call in (lambda: FullyShardedDataParallel(lambda x: x),
                  lambda: FullyShardedDataParallel(nn.Sequential(nn.Linear(2, 2),
@@ -156,23 +149,37 @@ def bad_input(rank, world):
     return out
 
 
-def all_cases():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {kind: train(kind, rank, world)[:3] for kind in KINDS}
-    losses, final, _, opt = train("stage1", rank, world, steps=2)
-    out["state_dict"] = opt.state_dict()
-    out["bytes"] = {kind: bf16_bytes(kind, rank, world)
+def cases(group, solo):
+    """Every case on the ranks of ``group`` (a world of its size)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = {kind: train(kind, rank, world, group=group)[:3] for kind in KINDS}
+    out["state_dict"] = train("stage1", rank, world, steps=2, group=group)[3].state_dict()
+    out["bytes"] = {kind: bf16_bytes(kind, group, solo)
                     for kind in ("stage0", "stage1", "stage2", "stage3")}
-    out["fp16"] = fp16_skip(rank, world)
-    if world >= 3:
-        out["pair"] = subgroup(rank, world)
-    out["bad"] = bad_input(rank, world)
+    out["fp16"] = fp16_skip(group)
+    return out
+
+
+def all_cases():
+    """One launch of 4 ranks: every case on groups of 4, 3, 2 and 1 ranks (4 first, so
+    that every rank makes its first optimizer at once), then ranks 0 and 2 as a pair."""
+    rank = dist.get_rank()
+    solo = [dist.new_group([r]) for r in range(4)][rank]
+    out = {}
+    for world in (4, 3, 2, 1):
+        group = dist.new_group(list(range(world)))
+        if rank < world:
+            out[world] = cases(group, solo)
+    pair = dist.new_group([0, 2])
+    out["pair"] = train("stage3", [0, 2].index(rank), 2, group=pair)[:2] \
+        if rank in (0, 2) else None
+    out["bad"] = bad_input()
     return out
 
 
 def resume(state):
-    """A ShardedOptimizer on ``world_to`` ranks loads ``state`` (saved after 2 steps on
-    another number of ranks) and takes the third step."""
+    """A ShardedOptimizer on 4 ranks loads ``state`` (saved after 2 steps on fewer
+    ranks) and takes the third step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = awkward()
     ref = awkward()
@@ -189,13 +196,18 @@ def resume(state):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-_results = {}
+_results = []
+
+
+def run_all():
+    if not _results:
+        _results.append(launch.run(all_cases, 4, backend="gloo", timeout=300))
+    return _results[0]
 
 
 def results(world):
-    if world not in _results:
-        _results[world] = launch.run(all_cases, world, backend="gloo", timeout=180)
-    return _results[world]
+    """Each rank's cases at ``world`` ranks."""
+    return [r[world] for r in run_all()[:world]]
 
 
 def reference(steps=STEPS):
@@ -298,7 +310,7 @@ def test_traffic_is_what_each_stage_should_move(world):
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])
-def test_state_dict_is_the_whole_models_and_loads_on_any_world_size(world):
+def test_state_dict_is_the_whole_models(world):
     _, _, opt = reference(steps=2)
     want = opt.state_dict()
     got = results(world)[0]["state_dict"]
@@ -308,10 +320,13 @@ def test_state_dict_is_the_whole_models_and_loads_on_any_world_size(world):
             torch.testing.assert_close(got["state"][i][key], value, msg=f"param {i}: {key}")
     assert [g["params"] for g in got["param_groups"]] == [g["params"] for g in
                                                           want["param_groups"]]
-    plain = awkward()                     # it loads into a plain AdamW ...
-    torch.optim.AdamW(plain.parameters(), **ADAMW).load_state_dict(got)
-    ref_weights = reference()[1]          # ... and into 2 ranks, which continue exactly
-    for rank, final in enumerate(launch.run(resume, 2, got, backend="gloo", timeout=60)):
+    torch.optim.AdamW(awkward().parameters(), **ADAMW).load_state_dict(got)  # a plain one's
+
+
+def test_a_state_dict_saved_on_3_ranks_continues_on_4():
+    ref_weights = reference()[1]
+    state = results(3)[0]["state_dict"]
+    for rank, final in enumerate(launch.run(resume, 4, state, backend="gloo", timeout=60)):
         for name, value in final.items():
             torch.testing.assert_close(value, ref_weights[name], msg=f"rank {rank}: {name}")
 
@@ -343,15 +358,14 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(world):
         assert scales == [1024.0, 512.0, 512.0]
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_a_subgroup_trains_like_two_ranks(world):
+def test_a_group_of_ranks_0_and_2_trains_like_two_ranks():
     two = results(2)[0]["stage3"]
     for rank in (0, 2):
-        losses, final = results(world)[rank]["pair"]
+        losses, final = run_all()[rank]["pair"]
         torch.testing.assert_close(losses, two[0])
         for name, value in final.items():
             torch.testing.assert_close(value, two[1][name])
-    assert all(results(world)[r]["pair"] is None for r in range(world) if r not in (0, 2))
+    assert run_all()[1]["pair"] is None and run_all()[3]["pair"] is None
 
 
 def test_bad_input_is_named():
@@ -359,7 +373,7 @@ def test_bad_input_is_named():
         ShardedOptimizer([nn.Parameter(torch.ones(1))], torch.optim.AdamW)
     with pytest.raises(RuntimeError, match="process group"):
         FullyShardedDataParallel(nn.Linear(2, 2))
-    wrapper, mixed = results(1)[0]["bad"]
+    wrapper, mixed = run_all()[0]["bad"]
     assert "nn.Module" in wrapper and "share a dtype" in mixed
 
 
@@ -439,13 +453,13 @@ def test_every_stage_trains_like_one_process_on_gpus():
 
 
 def test_the_gpu_bench_runs_on_cpus_and_reports():
-    """python -m distlab.zero_bench's sections on 2 gloo ranks and the test GPT: the
+    """python -m distlab.zero_bench's sections on 4 gloo ranks and the test GPT: the
     memory and speed code paths run (CUDA figures are zeros here), the table and the
     figure come out."""
     from distlab import zero_bench
     from distlab.viz.zero import plot_gpu_figures
 
-    results = launch.run(zero_bench.rank_bench, 2, config("test", vocab_size=VOCAB), 2, 8, 2, 1,
+    results = launch.run(zero_bench.rank_bench, 4, config("test", vocab_size=VOCAB), 2, 8, 2, 1,
                          ("kernel", "memory", "speed"), backend="gloo", timeout=120)
     assert results[0]["kernel"] == {"skipped": "needs CUDA and cupy"}
     for rank, r in enumerate(results):
