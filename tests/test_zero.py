@@ -50,8 +50,8 @@ def tied(dtype=torch.float32):
     return GPT(config("test", vocab_size=VOCAB)).to(dtype)
 
 
-def loss_of(model, step, rank=0, world=1):
-    x, y = LANG.batch(step, BATCH, SEQ, rank, world)
+def loss_of(model, step, rank=0, world=1, device="cpu"):
+    x, y = (t.to(device) for t in LANG.batch(step, BATCH, SEQ, rank, world))
     loss = F.cross_entropy(model(x).flatten(0, 1).double(), y.flatten())
     return loss * shard_loss_weight(len(x), BATCH, world)
 
@@ -74,14 +74,14 @@ def weights(model, net):
     return {n: p.detach().double().clone() for n, p in model.named_parameters()}
 
 
-def train(kind, rank, world, steps=STEPS, group=None):
-    model = awkward()
+def train(kind, rank, world, steps=STEPS, group=None, device="cpu"):
+    model = awkward().to(device)
     net, opt = wrap(kind, model, group)
     losses = []
     with CommLog() as log:
         for step in range(steps):
             opt.zero_grad()
-            loss = loss_of(net, step, rank, world)
+            loss = loss_of(net, step, rank, world, device)
             loss.backward()
             if hasattr(net, "finish_gradient_synchronization"):
                 net.finish_gradient_synchronization()
@@ -422,23 +422,7 @@ def test_the_kernel_matches_torch_adamw_on_its_shard_only():
 
 
 def on_gpus(kind):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = awkward().to(backend.device())
-    net, opt = wrap(kind, model)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        x, y = (t.to(backend.device()) for t in LANG.batch(step, BATCH, SEQ, rank, world))
-        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten()) * shard_loss_weight(
-            len(x), BATCH, world)
-        loss.backward()
-        if hasattr(net, "finish_gradient_synchronization"):
-            net.finish_gradient_synchronization()
-        opt.step()
-        losses.append(loss.detach())
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)
-    return losses / world, weights(model, net)
+    return train(kind, dist.get_rank(), dist.get_world_size(), device=backend.device())[:2]
 
 
 @pytest.mark.multigpu

@@ -5,14 +5,13 @@ elements a sharded kernel updates, and a memory calculator.
 paper's bytes per GPU for data parallelism and the three stages, against a GPU's memory.
 Without a widget front end (GitHub, a static HTML export) it shows the same as a table
 and a picture. The plots take plain numbers (dicts of bytes), never the objects that
-made them.
+made them. matplotlib and ipywidgets are imported where they are used, so that the
+lab's exercise module (which takes the notebook's imports) needs neither.
 """
 from __future__ import annotations
 
 import textwrap
 
-import ipywidgets as widgets
-import matplotlib.pyplot as plt
 import numpy as np
 
 from distlab.memory import STAGE_NAMES, STAGES, human, zero_bytes
@@ -29,6 +28,8 @@ GPUS = {"H200 (141 GB)": 141e9, "H100 (80 GB)": 80e9, "A100 (40 GB)": 40e9,
 
 def _done(fig):
     """Lay the figure out and close it (a notebook shows the returned figure once)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     plt.close(fig)
     return fig
@@ -39,6 +40,8 @@ def plot_rank_bytes(held: dict[str, list[dict]], formula: dict[str, float] | Non
     """Stacked bars of the bytes each rank holds, grouped by strategy: ``held`` maps a
     strategy to one dict per rank (keys of :data:`CATEGORIES`); ``formula`` (optional)
     maps a strategy to a predicted bytes-per-rank, drawn as a black line over its bars."""
+    import matplotlib.pyplot as plt
+
     names = list(held)
     width = 0.8 / max(len(ranks) for ranks in held.values())
     fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(names)), 4.2))
@@ -68,6 +71,8 @@ def plot_rank_bytes(held: dict[str, list[dict]], formula: dict[str, float] | Non
 def plot_equivalence(gaps: dict[tuple[int, str], float], title: str = ""):
     """The largest difference from one process (losses and weights) of each strategy
     (groups) at each world size (bars), on a log scale, against float64's rounding."""
+    import matplotlib.pyplot as plt
+
     names = list(dict.fromkeys(s for _, s in gaps))
     worlds = sorted({w for w, _ in gaps})
     width = 0.8 / len(worlds)
@@ -93,6 +98,8 @@ def plot_equivalence(gaps: dict[tuple[int, str], float], title: str = ""):
 def plot_traffic(volumes: dict[str, float], title: str = ""):
     """Horizontal bars: each strategy's bytes per rank and step on the wire (``volumes``,
     in units of Ψ), with the 2Ψ of data parallelism marked."""
+    import matplotlib.pyplot as plt
+
     names = list(volumes)
     fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) + 1.2))
     bars = ax.barh(range(len(names)), [volumes[n] for n in names], color="tab:blue")
@@ -111,6 +118,7 @@ def plot_traffic(volumes: dict[str, float], title: str = ""):
 def plot_coverage(rows: dict[str, np.ndarray], title: str = ""):
     """One row per kernel (``rows``: name -> how many ranks update each element): white
     where no rank updates an element, green once, red more than once."""
+    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
 
     names = list(rows)
@@ -138,6 +146,9 @@ def calculator_table(num_params: float, world_size: int, k: float = 12) -> list[
 
 def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | None = None,
                       k: float = 12):
+    """Bars of :func:`calculator_table` on a log scale, with one GPU's memory."""
+    import matplotlib.pyplot as plt
+
     table = calculator_table(num_params, world_size, k)
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     values = [b / 1e9 for _, _, b in table]
@@ -156,12 +167,15 @@ def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | Non
     return _done(fig)
 
 
-class MemoryCalculator(widgets.VBox):
+class MemoryCalculator:
     """Bytes per GPU of data parallelism and ZeRO stages 1-3 for any Ψ and N (the
-    paper's formulas, mixed-precision Adam), against a chosen GPU's memory."""
+    paper's formulas, mixed-precision Adam), against a chosen GPU's memory. Displayed,
+    it is its ipywidgets box (``.widget``); as a static output, a table and a picture."""
 
     def __init__(self, num_params: float = 7.5e9, world_size: int = 64,
                  gpu: str = "H200 (141 GB)"):
+        import ipywidgets as widgets
+
         self.psi = widgets.FloatText(value=num_params, description="parameters Ψ",
                                      style={"description_width": "initial"})
         self.n = widgets.BoundedIntText(value=world_size, min=1, max=1 << 20,
@@ -173,9 +187,9 @@ class MemoryCalculator(widgets.VBox):
         self.image = widgets.Image(format="png")
         for w in (self.psi, self.n, self.gpu, self.k):
             w.observe(lambda _: self.update(), names="value")
-        super().__init__([widgets.HBox([self.psi, self.n]), widgets.HBox([self.gpu, self.k]),
-                          self.table, self.image],
-                         layout=widgets.Layout(align_items="flex-start"))
+        self.widget = widgets.VBox([widgets.HBox([self.psi, self.n]),
+                                    widgets.HBox([self.gpu, self.k]), self.table, self.image],
+                                   layout=widgets.Layout(align_items="flex-start"))
         self.update()
 
     def _values(self):
@@ -200,7 +214,7 @@ class MemoryCalculator(widgets.VBox):
         return "\n".join(lines)
 
     def _repr_mimebundle_(self, **kwargs):
-        data = super()._repr_mimebundle_(**kwargs) or {}
+        data = self.widget._repr_mimebundle_(**kwargs) or {}
         psi, n, k = self._values()
         data["text/plain"] = repr(self)
         data["image/png"] = _png(calculator_figure(psi, n, GPUS[self.gpu.value], k))
@@ -211,6 +225,8 @@ def plot_gpu_figures(results: list[dict]):
     """The figures of ``python -m distlab.zero_bench`` (one dict per rank): the kernel's
     bandwidth, memory per rank and strategy against the accounting, ZeRO-3 against
     FSDP2."""
+    import matplotlib.pyplot as plt
+
     fig, (k_ax, m_ax, s_ax) = plt.subplots(1, 3, figsize=(15, 4.2),
                                            gridspec_kw={"width_ratios": [1, 2, 1]})
     kernel = results[0].get("kernel", {})
