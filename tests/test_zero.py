@@ -149,6 +149,27 @@ def bad_input():
     return out
 
 
+def with_groups(optimizer_cls, rank=0, world=1, group=None):
+    """Two param groups (no weight decay on vectors), the second added after
+    construction, and a learning-rate schedule: the weights after 3 steps."""
+    model = awkward()
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() <= 1]
+    opt = optimizer_cls(matrices, group) if group is not None else optimizer_cls(matrices)
+    opt.add_param_group({"params": vectors, "weight_decay": 0.0})
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, step, rank, world).backward()
+        opt.step()
+        schedule.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def sharded_adamw(params, group):
+    return ShardedOptimizer(params, torch.optim.AdamW, group, **ADAMW)
+
+
 def cases(group, solo):
     """Every case on the ranks of ``group`` (a world of its size)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -157,6 +178,7 @@ def cases(group, solo):
     out["bytes"] = {kind: bf16_bytes(kind, group, solo)
                     for kind in ("stage0", "stage1", "stage2", "stage3")}
     out["fp16"] = fp16_skip(group)
+    out["groups"] = with_groups(sharded_adamw, rank, world, group)
     return out
 
 
@@ -307,6 +329,14 @@ def test_traffic_is_what_each_stage_should_move(world):
     for log in comm(world, "stage1 after DataParallel"):
         assert log.nbytes("all_reduce") == STEPS * grad_bytes
         assert log.nbytes("all_gather_into_tensor") == STEPS * padded["stage1"]
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_param_groups_added_later_and_a_schedule(world):
+    want = with_groups(lambda params: torch.optim.AdamW(params, **ADAMW))
+    for rank, r in enumerate(results(world)):
+        for name, value in r["groups"].items():
+            torch.testing.assert_close(value, want[name], msg=f"rank {rank} of {world}: {name}")
 
 
 @pytest.mark.parametrize("world", [1, 3, 4])
