@@ -328,7 +328,7 @@ def test_cap_none_is_one_all_reduce_per_parameter_and_large_cap_one(student, wor
                        f"rank {rank}, bucket_cap_mb={cap}")
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_all_reduces_are_asynchronous(student, world):
     for rank, r in enumerate(run(student, world)):
         blocking = [c for c in all_reduces(r["overlap"]["calls"]) if not c[2]]

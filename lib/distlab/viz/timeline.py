@@ -21,9 +21,11 @@ COMM_COLOURS = ("#e6550d", "#fd8d3c")  # alternate, so that adjacent buckets sta
 
 def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: bool = True):
     """Each rank as two rows: its computation (phases, or GPU kernels; "wait" is the
-    host blocked on communication) and its collectives (one bar each, alternating
-    colours), with a tick where each gradient became ready. Time in ms from the
-    earliest event."""
+    host blocked on communication) and its collectives, with a tick where each
+    gradient became ready and one where each collective was issued. Collectives in
+    flight together queue for the same link, so each is drawn from when it was issued
+    or the one before it finished, whichever is later, to when it finished: the bars
+    tile the time communication was in flight. Time in ms from the earliest event."""
     from distlab.comm import human_bytes
 
     ranks = timeline.ranks
@@ -47,18 +49,22 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
                            edgecolor="none", hatch="//" if key == "wait" else None,
                            label=None if key in seen else key)
             seen.add(key)
-        comm = sorted(timeline.select(COMM, rank), key=lambda s: s.start)
-        for i, s in enumerate(comm):
-            ax.broken_barh([(ms(s.start), max(1e3 * s.seconds, 1e-3))], (y_comm, 0.8),
-                           facecolor=COMM_COLOURS[i % 2], edgecolor="white", linewidth=0.5,
-                           label=None if "collective" in seen else "collective")
+        comm = sorted(timeline.select(COMM, rank), key=lambda s: (s.end, s.start))
+        previous = -float("inf")
+        for i, s in enumerate(comm):     # from max(issued, previous done) to done
+            left = max(s.start, previous)
+            previous = s.end
+            width = max(1e3 * (s.end - left), 1e-3)
+            ax.broken_barh([(ms(left), width)], (y_comm, 0.8), facecolor=COMM_COLOURS[i % 2],
+                           edgecolor="none", label=None if "collective" in seen else "collective")
             seen.add("collective")
-            if label_bytes and s.nbytes:
-                width = 1e3 * s.seconds
-                span = 1e3 * timeline.duration or 1.0
-                if width > 0.06 * span:
-                    ax.text(ms(s.start) + width / 2, y_comm + 0.4, human_bytes(s.nbytes),
-                            ha="center", va="center", fontsize=7, color="white")
+            if label_bytes and s.nbytes and width > 0.07 * 1e3 * timeline.duration:
+                ax.text(ms(left) + width / 2, y_comm + 0.4, human_bytes(s.nbytes),
+                        ha="center", va="center", fontsize=7, color="white")
+        if comm:
+            ax.vlines([ms(s.start) for s in comm], y_comm - 0.2, y_comm, color="C3",
+                      linewidth=0.6, label=None if "issued" in seen else "collective issued")
+            seen.add("issued")
         marks = [ms(t) for r, _, t in timeline.marks if r == rank]
         if marks:
             ax.vlines(marks, y_comp + 0.8, y_comp + 1.05, color="k", linewidth=0.6,
