@@ -12,63 +12,26 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+from exercises import dp_cases
+from exercises.dp_cases import Branchy, branchy_backward, branchy_means, local_loss
 
 from distlab import backend, launch
 from distlab.comm import CommLog
-from distlab.data import NGramLanguage
 from distlab.dp import (MB, DataParallel, OneShotDataParallel, allreduce_gradients,
-                        plan_buckets, shard_loss_weight)
-from distlab.model import GPT, config
+                        plan_buckets)
 from distlab.trace import StepRecorder
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
-BATCH, SEQ, STEPS, VOCAB = 10, 8, 3, 13  # 10 rows: uneven over 3 and 4 ranks
-LANG = NGramLanguage(VOCAB, 3, seed=0)
-
-
+STEPS = 3
 CAPS = (None, 0.002, 25)  # MiB: one bucket per parameter, 2 KiB buckets, one bucket
 
 
 def make_model(seed=0, unused=True):
-    torch.manual_seed(seed)
-    model = GPT(config("test", vocab_size=VOCAB)).double()
+    """dp_cases' GPT with a buffer that differs per rank (the broadcast must fix it)."""
+    model = dp_cases.make_model(seed, unused)
     model.register_buffer("counter", torch.full((3,), float(seed)))
-    model.ln_f.bias.requires_grad_(False)                 # a frozen parameter
-    if unused:                                            # never gets a gradient
-        model.unused = nn.Parameter(torch.randn(5, dtype=torch.float64))
     return model
-
-
-class Branchy(nn.Module):
-    """A chain whose middle layer some ranks skip in a step (``use_mid``): its bucket
-    gets no gradient there, and every rank must still reduce it, in the same order."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.mid, self.b = nn.Linear(3, 7), nn.Linear(7, 7), nn.Linear(7, 2)
-        self.use_mid = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if self.use_mid:
-            h = h + torch.tanh(self.mid(h))
-        return self.b(h)
-
-
-def branchy_grads(model, rank, step):
-    """Backward of one step of Branchy on this rank's data (mid used when rank+step is even)."""
-    torch.manual_seed(100 * step + rank)
-    model.use_mid = (rank + step) % 2 == 0
-    model(torch.randn(4, 3)).pow(2).sum().backward()
-
-
-def local_loss(model, step, rank, world, device="cpu"):
-    x, y = (t.to(device) for t in LANG.batch(step, BATCH, SEQ, rank, world))
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    return loss * shard_loss_weight(len(x), BATCH, world)
 
 
 def train(model, step_fn, rank=0, world=1, device="cpu"):
@@ -174,7 +137,7 @@ def all_cases():
         with CommLog() as log:
             for step in range(2):
                 model.zero_grad(set_to_none=set_to_none)
-                branchy_grads(model, rank, step)
+                branchy_backward(model, rank, step)
                 wrapped.finish_gradient_synchronization()
                 steps.append(grads_of(model))
         out[f"branchy {set_to_none}"] = steps, [e.nbytes for e in log.select("all_reduce")]
@@ -374,21 +337,15 @@ def test_a_layer_used_on_some_ranks_only(world, set_to_none):
     a layer no rank used keeps .grad None (or its zeros, after zero_grad(set_to_none=False))."""
     out = results(world)
     for step in range(2):
-        local = []
-        for rank in range(world):
-            model = Branchy()
-            branchy_grads(model, rank, step)
-            local.append({n: p.grad if p.grad is not None else torch.zeros_like(p)
-                          for n, p in model.named_parameters()})
+        means = branchy_means(world, step)
         nobody = world == 1 and step == 1
         for rank, r in enumerate(out):
             grads, sizes = r[f"branchy {set_to_none}"]
             assert sizes == out[0][f"branchy {set_to_none}"][1]
-            for name in local[0]:
+            for name, want in means.items():
                 if name.startswith("mid.") and nobody and set_to_none:
                     assert name not in grads[step], f"{name} was used by no rank"
                     continue
-                want = torch.stack([g[name] for g in local]).mean(0)
                 torch.testing.assert_close(grads[step][name], want,
                                            msg=f"rank {rank} of {world}, step {step}: {name}")
 

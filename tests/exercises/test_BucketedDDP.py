@@ -22,70 +22,20 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+from dp_cases import Branchy, branchy_backward, branchy_means, local_loss, make_model, snapshot
 
 from distlab import launch
 from distlab.comm import CommLog
-from distlab.data import NGramLanguage
-from distlab.dp import MB, plan_buckets, shard_loss_weight
+from distlab.dp import plan_buckets
 from distlab.grading import expect_close
-from distlab.model import GPT, config
 
 NOTEBOOK = "08_overlap"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
-BATCH, SEQ, STEPS, VOCAB, LR = 10, 8, 3, 13, 0.5
+STEPS, LR = 3, 0.5
 CAP = 0.002          # MiB: the small GPT's gradients make 9-10 buckets
-LANG = NGramLanguage(VOCAB, 3, seed=0)
 WORLDS = [1, 2, 3, 4]
 TIMEOUT = 30           # seconds a launch may take: a deadlock is reported within it
-
-
-def make_model(seed=0, unused=True):
-    torch.manual_seed(seed)
-    model = GPT(config("test", vocab_size=VOCAB)).double()
-    model.ln_f.bias.requires_grad_(False)                 # frozen
-    if unused:                                            # never gets a gradient
-        model.unused = nn.Parameter(torch.randn(5, dtype=torch.float64))
-    return model
-
-
-class Branchy(nn.Module):
-    """A chain whose middle layer a rank uses only when rank + step is even."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.mid, self.b = nn.Linear(3, 7), nn.Linear(7, 7), nn.Linear(7, 2)
-        self.double()
-        self.use_mid = True
-
-    def forward(self, x):
-        h = torch.tanh(self.a(x))
-        if self.use_mid:
-            h = h + torch.tanh(self.mid(h))
-        return self.b(h)
-
-
-def branchy_backward(model, rank, step):
-    torch.manual_seed(100 * step + rank)
-    model.use_mid = (rank + step) % 2 == 0
-    model(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum().backward()
-
-
-def local_loss(model, step, rank, world):
-    """This rank's share of the global batch's mean loss (see dp.shard_loss_weight)."""
-    x, y = LANG.batch(step, BATCH, SEQ, rank, world)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    return loss * shard_loss_weight(len(x), BATCH, world)
-
-
-def snapshot(model, what="param"):
-    if what == "grad":
-        return {n: None if p.grad is None else p.grad.detach().clone()
-                for n, p in model.named_parameters()}
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def calls(log):
@@ -373,19 +323,13 @@ def test_same_bucket_order_on_every_rank_when_a_layer_is_skipped(student, world)
                                     f"of {orders[0]}: every rank must launch the same buckets "
                                     f"in the same order")
     for step in range(2):
-        local = []
-        for rank in range(world):
-            model = Branchy()
-            branchy_backward(model, rank, step)
-            local.append({n: p.grad if p.grad is not None else torch.zeros_like(p)
-                          for n, p in model.named_parameters()})
+        means = branchy_means(world, step)
         for rank, r in enumerate(out):
-            for name in local[0]:
+            for name, want in means.items():
                 got = r["grads"][step][name]
                 assert got is not None, (f"rank {rank}, step {step}: {name} has no gradient; "
                                          f"a layer another rank used gets the mean (this rank "
                                          f"contributes zeros)")
-                want = torch.stack([g[name] for g in local]).mean(0)
                 expect_close(got, want, f"rank {rank} of {world}, step {step}: gradient of {name} "
                              f"(ranks that skipped the layer contribute zeros, not last step's "
                              f"values)")

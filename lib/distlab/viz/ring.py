@@ -10,12 +10,11 @@ picture of every step.
 """
 from __future__ import annotations
 
-import io
-
 import ipywidgets as widgets
 import matplotlib
 
 from distlab.ring import RingRecord
+from distlab.viz import png as _png
 
 
 def _name(rank: int) -> str:
@@ -105,12 +104,6 @@ def steps_figure(record: RingRecord, columns: int | None = None):
     fig.tight_layout()
     plt.close(fig)
     return fig
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
 
 
 class RingStepper(widgets.VBox):

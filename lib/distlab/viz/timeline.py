@@ -7,12 +7,11 @@ timeline it holds, one under the other.
 """
 from __future__ import annotations
 
-import io
-
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
 
 from distlab.trace import COMM, COMPUTE, Timeline
+from distlab.viz import png
 
 PHASES = {"forward": "#9ecae1", "backward": "#3182bd", "step": "#31a354", "wait": "#d9d9d9"}
 KERNEL = "#6baed6"                 # GPU compute kernels (too many names for a legend)
@@ -110,12 +109,6 @@ def plot_step_times(sweep: dict, baselines: dict, title: str = "", ax=None):
     return fig
 
 
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    return buf.getvalue()
-
-
 def timelines_figure(timelines: dict):
     """Every timeline of ``timelines`` (label → Timeline), one under the other, on a
     common time axis: the static picture of :class:`TimelinePicker`."""
@@ -153,7 +146,7 @@ class TimelinePicker(widgets.VBox):
         if label not in self._frames:
             fig = plot_timeline(self.timelines[label], title=label)
             fig.axes[0].set_xlim(0, self.longest * 1.02)
-            self._frames[label] = _png(fig)
+            self._frames[label] = png(fig)
         self.image.value = self._frames[label]
 
     def __repr__(self) -> str:
@@ -163,5 +156,5 @@ class TimelinePicker(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs) or {}
         data["text/plain"] = repr(self)
-        data["image/png"] = _png(timelines_figure(self.timelines))
+        data["image/png"] = png(timelines_figure(self.timelines))
         return data
