@@ -121,6 +121,12 @@ def test_plots_draw():
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert labels[0] == "bucketed" and "naive 100 ms" in labels
     assert len(timelines_figure({"a": synthetic(), "b": synthetic()}).axes) == 2
+    # collectives in flight together: the bars tile the union of [issued, done]
+    queued = Timeline([Span(0, "compute", "backward", 0.0, 0.1),
+                       Span(0, "comm", "first issued", 0.026, 0.110),
+                       Span(0, "comm", "first done", 0.040, 0.060)])
+    bars = [c.get_paths()[0].vertices[:, 0] for c in plot_timeline(queued).axes[0].collections[1:3]]
+    assert [(round(b.min()), round(b.max())) for b in bars] == [(26, 60), (60, 110)]
     with pytest.raises(ValueError, match="at least one"):
         TimelinePicker({})
 

@@ -22,9 +22,10 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
     """Each rank as two rows: its computation (phases, or GPU kernels; "wait" is the
     host blocked on communication) and its collectives, with a tick where each
     gradient became ready and one where each collective was issued. Collectives in
-    flight together queue for the same link, so each is drawn from when it was issued
-    or the one before it finished, whichever is later, to when it finished: the bars
-    tile the time communication was in flight. Time in ms from the earliest event."""
+    flight together queue for the same link, so the bars tile the time communication
+    was in flight, in the order the collectives finished: each from when the one before
+    it finished (or, after a gap, when a collective still to finish was issued) to when
+    it finished. Time in ms from the earliest event."""
     from distlab.comm import human_bytes
 
     ranks = timeline.ranks
@@ -49,9 +50,12 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
                            label=None if key in seen else key)
             seen.add(key)
         comm = sorted(timeline.select(COMM, rank), key=lambda s: (s.end, s.start))
+        first = [s.start for s in comm]  # the earliest issue among those not yet done
+        for i in range(len(comm) - 2, -1, -1):
+            first[i] = min(first[i], first[i + 1])
         previous = -float("inf")
-        for i, s in enumerate(comm):     # from max(issued, previous done) to done
-            left = max(s.start, previous)
+        for i, s in enumerate(comm):     # the bars tile the union of [issued, done]
+            left = max(first[i], previous)
             previous = s.end
             width = max(1e3 * (s.end - left), 1e-3)
             ax.broken_barh([(ms(left), width)], (y_comm, 0.8), facecolor=COMM_COLOURS[i % 2],
