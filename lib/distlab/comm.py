@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import time
 
@@ -72,6 +73,8 @@ class CommEvent:
     async_op: bool
     start: float              # time.perf_counter() on this rank
     end: float | None = None  # None while an async op is still in flight
+    batch: int | None = None  # P2P ops of one batch_isend_irecv share an id (unique per
+                              # rank); None for a call of its own
 
     @property
     def seconds(self) -> float | None:
@@ -183,10 +186,23 @@ def human_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_label(nbytes: float) -> str:
+    """A message size for tables and axes: 64 KiB, 1.5 MiB (as short as it is exact)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
 class _State(threading.local):
     def __init__(self):
         self.logs: list[CommLog] = []
         self.depth = 0
+        self.batch: int | None = None  # id of the batch_isend_irecv under way
+
+
+_batch_ids = itertools.count(1)
 
 
 _state = _State()
@@ -196,20 +212,36 @@ _installed = False
 
 class StatusBoard:
     """A few bytes of shared memory where a rank posts the call it is in, so that the
-    launcher can say where each rank stood when a launch hangs."""
+    launcher can say where each rank stood when a launch hangs.
+
+    Layout: a count of finished posts, the text, a count of started posts. The writer
+    bumps the last, writes the text, then the first; a reader that sees two equal counts
+    around the text read a whole post, never half of one (a seqlock)."""
 
     SIZE = 256
+    _TEXT = slice(4, SIZE - 4)
 
     def __init__(self, buffer):
         self.buffer = buffer
+        self.count = 0
 
     def post(self, text: str) -> None:
-        data = text.encode()[: self.SIZE - 1] + b"\0"
-        self.buffer[: len(data)] = data
+        self.count = (self.count + 1) % 2**32
+        stamp = self.count.to_bytes(4, "little")
+        data = text.encode()[: self._TEXT.stop - self._TEXT.start - 1] + b"\0"
+        self.buffer[self.SIZE - 4:] = stamp
+        self.buffer[self._TEXT.start:self._TEXT.start + len(data)] = data
+        self.buffer[:4] = stamp
 
     @classmethod
-    def read(cls, buffer) -> str:
-        return bytes(buffer[: cls.SIZE]).split(b"\0", 1)[0].decode(errors="replace")
+    def read(cls, buffer, attempts: int = 100) -> str:
+        """The last whole post in ``buffer`` (an mmap of the board), or "" if none."""
+        for _ in range(attempts):
+            finished = bytes(buffer[:4])
+            text = bytes(buffer[cls._TEXT])
+            if bytes(buffer[cls.SIZE - 4:cls.SIZE]) == finished:
+                return text.split(b"\0", 1)[0].decode(errors="replace")
+        return ""
 
 
 def post_status_to(board: StatusBoard | None) -> None:
@@ -268,7 +300,7 @@ def _trace(name: str, fn):
             peer=_peer(name, a, group), group_size=dist.get_world_size(group),
             group_ranks=tuple(dist.get_process_group_ranks(group or c10d._get_default_group())),
             async_op=bool(a.get("async_op")) or name in ("isend", "irecv"),
-            start=time.perf_counter())
+            start=time.perf_counter(), batch=_state.batch if name in P2P else None)
         if _status:
             _status.post(f"in {event.describe()} since {time.time():.3f}")
         _state.depth += 1
@@ -287,6 +319,25 @@ def _trace(name: str, fn):
         for log in _state.logs:
             log.events.append(event)
         return result
+
+    traced.__distlab_traced__ = fn
+    return traced
+
+
+def _trace_batch(fn):
+    """``batch_isend_irecv`` issues each of its ops through ``P2POp.op`` (the traced
+    ``isend``/``irecv``), on every backend and torch version; the ops it issues carry
+    one batch id, so that a log tells a batch (one NCCL group) from single calls."""
+
+    @functools.wraps(fn)
+    def traced(p2p_op_list):
+        if _state.batch is not None:
+            return fn(p2p_op_list)
+        _state.batch = next(_batch_ids)
+        try:
+            return fn(p2p_op_list)
+        finally:
+            _state.batch = None
 
     traced.__distlab_traced__ = fn
     return traced
@@ -331,18 +382,32 @@ def install() -> None:
         traced = _trace(_RENAMED.get(name, name), getattr(original, "__distlab_traced__", original))
         setattr(c10d, name, traced)
         setattr(dist, name, traced)
+    batched = _trace_batch(getattr(c10d.batch_isend_irecv, "__distlab_traced__",
+                                   c10d.batch_isend_irecv))
+    c10d.batch_isend_irecv = dist.batch_isend_irecv = batched
     _installed = True
 
 
+def untraced(fn):
+    """``fn`` without the tracer: what a benchmark times (the backend, not the
+    bookkeeping of every call, which costs tens of microseconds)."""
+    return getattr(fn, "__distlab_traced__", fn)
+
+
+def single_tensor_op(kind: str):
+    """torch's one-tensor ``"all_gather"`` or ``"reduce_scatter"``, by the name this
+    version prefers (``*_single`` from torch 2.13, ``*_tensor`` before)."""
+    new, old = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}[kind]
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
 def all_gather_into(output, input, group=None, async_op=False):
-    """All-gather into one tensor, by the name this version of torch prefers
-    (``all_gather_single`` from 2.13, ``all_gather_into_tensor`` before)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    """All-gather into one tensor (:func:`single_tensor_op`)."""
+    return single_tensor_op("all_gather")(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """Reduce-scatter from one tensor (``reduce_scatter_single`` from torch 2.13,
-    ``reduce_scatter_tensor`` before)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=async_op)
+    """Reduce-scatter from one tensor (:func:`single_tensor_op`)."""
+    return single_tensor_op("reduce_scatter")(output, input, op=op, group=group,
+                                              async_op=async_op)

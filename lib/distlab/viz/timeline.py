@@ -3,15 +3,19 @@ collective ran, from a :class:`distlab.trace.Timeline`; the step time against th
 bucket size; and a widget that shows the timeline of the bucket size one picks.
 
 Without a widget front end (GitHub, a static HTML export) the picker shows every
-timeline it holds, one under the other.
+timeline it holds, one under the other. matplotlib and ipywidgets are imported where
+they are used (importing this module needs neither).
 """
 from __future__ import annotations
 
-import ipywidgets as widgets
-import matplotlib.pyplot as plt
+from typing import TYPE_CHECKING
 
-from distlab.trace import COMM, COMPUTE, Timeline
 from distlab.viz import png
+
+if TYPE_CHECKING:  # the data only; viz never imports the code that made it
+    from distlab.trace import Timeline
+
+COMM = "comm"     # the lanes of distlab.trace.Span
 
 PHASES = {"forward": "#9ecae1", "backward": "#3182bd", "step": "#31a354", "wait": "#d9d9d9"}
 KERNEL = "#6baed6"                 # GPU compute kernels (too many names for a legend)
@@ -26,6 +30,8 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
     was in flight, in the order the collectives finished: each from when the one before
     it finished (or, after a gap, when a collective still to finish was issued) to when
     it finished. Time in ms from the earliest event."""
+    import matplotlib.pyplot as plt
+
     from distlab.comm import human_bytes
 
     ranks = timeline.ranks
@@ -91,6 +97,8 @@ def plot_step_times(sweep: dict, baselines: dict, title: str = "", ax=None):
     """Step time (ms) against the bucket size: ``sweep`` maps MiB → seconds per step of
     the bucketed version; ``baselines`` maps a name (naive, per-parameter, torch DDP)
     → seconds, drawn as horizontal lines."""
+    import matplotlib.pyplot as plt
+
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4))
     caps = sorted(sweep)
     ax.plot(caps, [1e3 * sweep[c] for c in caps], marker="o", color="C3", label="bucketed")
@@ -116,6 +124,8 @@ def plot_step_times(sweep: dict, baselines: dict, title: str = "", ax=None):
 def timelines_figure(timelines: dict):
     """Every timeline of ``timelines`` (label → Timeline), one under the other, on a
     common time axis: the static picture of :class:`TimelinePicker`."""
+    import matplotlib.pyplot as plt
+
     n = len(timelines)
     ranks = max(len(t.ranks) for t in timelines.values())
     fig, axes = plt.subplots(n, 1, figsize=(11, n * (0.9 + 1.1 * ranks)), squeeze=False)
@@ -128,11 +138,14 @@ def timelines_figure(timelines: dict):
     return fig
 
 
-class TimelinePicker(widgets.VBox):
+class TimelinePicker:
     """Pick a bucket size (or any label) and see its timeline; all drawn on the same
-    time axis so that lengths compare. ``timelines`` maps a label to a Timeline."""
+    time axis so that lengths compare. ``timelines`` maps a label to a Timeline.
+    Displayed, it is its ipywidgets box (``.widget``): toggle buttons over a picture."""
 
     def __init__(self, timelines: dict, description: str = "bucket"):
+        import ipywidgets as widgets
+
         if not timelines:
             raise ValueError("TimelinePicker needs at least one timeline")
         self.timelines = dict(timelines)
@@ -142,8 +155,8 @@ class TimelinePicker(widgets.VBox):
         self.image = widgets.Image(format="png")
         self._frames: dict[str, bytes] = {}
         self.choice.observe(lambda change: self.show(change["new"]), names="value")
-        super().__init__([self.choice, self.image],
-                         layout=widgets.Layout(align_items="flex-start"))
+        self.widget = widgets.VBox([self.choice, self.image],
+                                   layout=widgets.Layout(align_items="flex-start"))
         self.show(self.choice.value)
 
     def show(self, label: str) -> None:
@@ -158,7 +171,7 @@ class TimelinePicker(widgets.VBox):
                 f"{', '.join(self.timelines)}; showing {self.choice.value})")
 
     def _repr_mimebundle_(self, **kwargs):
-        data = super()._repr_mimebundle_(**kwargs) or {}
+        data = self.widget._repr_mimebundle_(**kwargs) or {}
         data["text/plain"] = repr(self)
         data["image/png"] = png(timelines_figure(self.timelines))
         return data
