@@ -1,6 +1,8 @@
-"""DataParallel: broadcast at construction, averaged gradients, no_sync accumulation,
-subgroups, and the correctness rule: N ranks train to the same weights as one process
-on the global batch (and as torch's DistributedDataParallel).
+"""DataParallel (bucketed, overlapped) and OneShotDataParallel (lab 04): broadcast at
+construction, averaged gradients, no_sync accumulation, subgroups, and the correctness
+rule: N ranks train to the same weights as one process on the global batch (and as
+torch's DistributedDataParallel). For the buckets, CommLog checks how: one asynchronous
+all-reduce per bucket, in the same order on every rank, issued while backward runs.
 
 One launch per world size runs every case, so each world size costs one cold start."""
 import sys
@@ -10,33 +12,26 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+from exercises import dp_cases
+from exercises.dp_cases import Branchy, branchy_backward, branchy_means, local_loss
 
 from distlab import backend, launch
 from distlab.comm import CommLog
-from distlab.data import NGramLanguage
-from distlab.dp import DataParallel, allreduce_gradients, shard_loss_weight
-from distlab.model import GPT, config
+from distlab.dp import (MB, DataParallel, OneShotDataParallel, allreduce_gradients,
+                        plan_buckets)
+from distlab.trace import StepRecorder
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
-BATCH, SEQ, STEPS, VOCAB = 10, 8, 3, 13  # 10 rows: uneven over 3 and 4 ranks
-LANG = NGramLanguage(VOCAB, 3, seed=0)
+STEPS = 3
+CAPS = (None, 0.002, 25)  # MiB: one bucket per parameter, 2 KiB buckets, one bucket
 
 
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    model = GPT(config("test", vocab_size=VOCAB)).double()
+def make_model(seed=0, unused=True):
+    """dp_cases' GPT with a buffer that differs per rank (the broadcast must fix it)."""
+    model = dp_cases.make_model(seed, unused)
     model.register_buffer("counter", torch.full((3,), float(seed)))
-    model.ln_f.bias.requires_grad_(False)                 # a frozen parameter
-    model.unused = nn.Parameter(torch.randn(5, dtype=torch.float64))  # never gets a gradient
     return model
-
-
-def local_loss(model, step, rank, world, device="cpu"):
-    x, y = (t.to(device) for t in LANG.batch(step, BATCH, SEQ, rank, world))
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    return loss * shard_loss_weight(len(x), BATCH, world)
 
 
 def train(model, step_fn, rank=0, world=1, device="cpu"):
@@ -115,6 +110,55 @@ def all_cases():
         DataParallel(lambda x: x)
     except TypeError as e:
         out["bad"] = str(e)
+    # 8. buckets of every size, and lab 04's one-shot version: training and the calls made
+    for cap in CAPS + ("one-shot",):
+        model = make_model(seed=rank)
+        wrapped = OneShotDataParallel(model) if cap == "one-shot" else DataParallel(model, cap)
+        with CommLog() as log:
+            losses = train(model, wrapped.finish_gradient_synchronization, rank, world)
+        out[f"train {cap}"] = (global_losses(losses, world), params(model),
+                               [(e.nbytes, e.async_op) for e in log.select("all_reduce")],
+                               getattr(wrapped, "bucket_sizes", lambda: None)())
+    # 9. overlap: marks when each gradient is ready, then the launches
+    for cap in (0.002, None):
+        model = make_model(unused=False)
+        rec = StepRecorder(model)                         # its hooks run before the wrapper's
+        wrapped = DataParallel(model, cap)
+        with CommLog() as log:
+            local_loss(model, 0, rank, world).backward()
+            wrapped.finish_gradient_synchronization()
+        out[f"overlap {cap}"] = ([t for _, _, t in rec.marks],
+                                 [e.start for e in log.select("all_reduce")])
+    # 10. a layer used on some ranks only, in some steps: no hang, the right mean
+    for set_to_none in (True, False):
+        model = Branchy()
+        wrapped = DataParallel(model, None)
+        steps = []
+        with CommLog() as log:
+            for step in range(2):
+                model.zero_grad(set_to_none=set_to_none)
+                branchy_backward(model, rank, step)
+                wrapped.finish_gradient_synchronization()
+                steps.append(grads_of(model))
+        out[f"branchy {set_to_none}"] = steps, [e.nbytes for e in log.select("all_reduce")]
+    # 11. a second backward without finishing the first is named
+    model = make_model(unused=False)
+    wrapped = DataParallel(model, 0.002)
+    local_loss(model, 0, rank, world).backward()
+    try:
+        local_loss(model, 0, rank, world).backward()
+    except RuntimeError as e:
+        out["twice"] = str(e)
+    wrapped.finish_gradient_synchronization()
+    # 12. a rank outside the group: an inert wrapper
+    if world >= 3:
+        model = make_model(seed=rank)
+        before = params(model)
+        with CommLog() as log:
+            wrapped = DataParallel(model, 0.002, group=pair)
+            local_loss(model, 0, rank, world).backward()
+            wrapped.finish_gradient_synchronization()
+        out["outsider"] = before, params(model), grads_of(model), log.count()
     return out
 
 
@@ -137,13 +181,18 @@ def grads_of(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def bucket_bytes(model, cap):
+    """What each bucket all-reduces, in launch order: its gradients and one flag per
+    parameter (float64 here)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [8 * sum(params[i].numel() + 1 for i in idx) for idx in plan_buckets(params, cap)]
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_data_parallel(world):
     out = results(world)
     ref_losses, ref_params, ref_model = reference()
     start = params(make_model(seed=0))
-    grad_bytes = sum(p.numel() * 8 for p in ref_model.parameters() if p.requires_grad
-                     and p is not ref_model.unused)
     state_bytes = sum(t.numel() * t.element_size() for t in list(ref_model.parameters()) +
                       list(ref_model.buffers()))
     for rank, r in enumerate(out):
@@ -159,8 +208,8 @@ def test_data_parallel(world):
             torch.testing.assert_close(value, ref_params[name], msg=f"{where}: {name}")
             torch.testing.assert_close(r["ddp"][1][name], ref_params[name],
                                        msg=f"{where}: DDP {name}")
-        count, nbytes = r["allreduce"]                    # one all-reduce of all gradients
-        assert nbytes == STEPS * grad_bytes and count == STEPS
+        count, nbytes = r["allreduce"]                    # one bucket: one all-reduce a step
+        assert count == STEPS and nbytes == STEPS * sum(bucket_bytes(ref_model, 25))
     assert torch.equal(out[0]["train"][1]["unused"], start["unused"])
 
 
@@ -232,3 +281,89 @@ def test_bad_input_is_named():
     with pytest.raises(RuntimeError, match="process group"):
         DataParallel(nn.Linear(2, 2))
     assert "nn.Module" in results(1)[0]["bad"]
+
+
+def test_plan_buckets_follows_ddp():
+    """Reverse order, one open bucket per dtype, closed once it holds >= the cap."""
+    p = [torch.empty(n) for n in (100, 300, 50, 400, 10)] + [torch.empty(7, dtype=torch.float64)]
+    assert plan_buckets(p, 1000 / MB) == [[4, 3], [2, 1], [5], [0]]  # then the open ones
+    assert plan_buckets(p, None) == [[5], [4], [3], [2], [1], [0]]
+    assert plan_buckets(p, 25) == [[5], [4, 3, 2, 1, 0]]  # open buckets in the order opened
+    for bad, error in ((0, ValueError), (-1, ValueError), ("25", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="bucket_cap_mb"):
+            plan_buckets(p, bad)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_buckets_train_like_one_process(world):
+    """Every bucket size, and lab 04's one-shot version, follow the single process; the
+    buckets make one asynchronous all-reduce each per step, in the same order everywhere."""
+    out = results(world)
+    ref_losses, ref_params, ref_model = reference()
+    for cap in CAPS + ("one-shot",):
+        sizes = [r[f"train {cap}"][2] for r in out]
+        for rank, r in enumerate(out):
+            losses, final, calls, buckets = r[f"train {cap}"]
+            where = f"rank {rank} of {world}, bucket_cap_mb={cap}"
+            torch.testing.assert_close(losses, ref_losses, msg=f"{where}: losses")
+            for name, value in final.items():
+                torch.testing.assert_close(value, ref_params[name], msg=f"{where}: {name}")
+            assert calls == sizes[0], f"{where}: not the same all-reduces as rank 0"
+            if cap == "one-shot":
+                assert not any(a for _, a in calls) and len(calls) == STEPS
+                continue
+            assert buckets == bucket_bytes(ref_model, cap)
+            assert calls == [(n, True) for n in buckets] * STEPS, where
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("cap", [0.002, None])
+def test_all_reduces_are_issued_while_backward_runs(world, cap):
+    """All but the last bucket are launched before the last gradient is computed; the
+    last one from that gradient's hook."""
+    model = make_model(unused=False)
+    n = len(bucket_bytes(model, cap))
+    for rank, r in enumerate(results(world)):
+        marks, starts = r[f"overlap {cap}"]
+        assert len(starts) == n > 2
+        early = sum(t < max(marks) for t in starts)
+        assert early == n - 1, f"rank {rank}: {early} of {n} launched before the last gradient"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_layer_used_on_some_ranks_only(world, set_to_none):
+    """No hang; ranks that skipped the layer contribute zeros, every rank gets the mean;
+    a layer no rank used keeps .grad None (or its zeros, after zero_grad(set_to_none=False))."""
+    out = results(world)
+    for step in range(2):
+        means = branchy_means(world, step)
+        nobody = world == 1 and step == 1
+        for rank, r in enumerate(out):
+            grads, sizes = r[f"branchy {set_to_none}"]
+            assert sizes == out[0][f"branchy {set_to_none}"][1]
+            for name, want in means.items():
+                if name.startswith("mid.") and nobody and set_to_none:
+                    assert name not in grads[step], f"{name} was used by no rank"
+                    continue
+                torch.testing.assert_close(grads[step][name], want,
+                                           msg=f"rank {rank} of {world}, step {step}: {name}")
+
+
+def test_a_second_backward_before_finishing_is_named():
+    assert "finish_gradient_synchronization() after every backward" in results(1)[0]["twice"]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_a_rank_outside_the_group_is_left_alone(world):
+    for rank, r in enumerate(results(world)):
+        if rank in (0, 2):
+            continue
+        before, after, grads, calls = r["outsider"]
+        assert calls == 0, f"rank {rank} made collectives for a group it is not in"
+        for name, value in after.items():
+            assert torch.equal(value, before[name])
+        model = make_model(seed=rank)
+        local_loss(model, 0, rank, world).backward()
+        for name, g in grads_of(model).items():
+            torch.testing.assert_close(grads[name], g)

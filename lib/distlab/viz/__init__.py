@@ -3,3 +3,12 @@
 Every widget also renders as a static matplotlib figure, so that a notebook viewed
 without a widget front end (GitHub, a static HTML export) still shows a picture.
 """
+
+import io
+
+
+def png(fig, dpi: int = 100) -> bytes:
+    """``fig`` as PNG bytes: what a widget shows, and its static fallback."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    return buf.getvalue()

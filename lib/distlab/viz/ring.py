@@ -13,8 +13,9 @@ module (the lab 03 exercises do, for the autograder) needs neither.
 """
 from __future__ import annotations
 
-import io
 from typing import TYPE_CHECKING
+
+from distlab.viz import png as _png
 
 if TYPE_CHECKING:  # the data only; viz never imports the code that made it
     from distlab.ring import RingRecord
@@ -108,12 +109,6 @@ def steps_figure(record: RingRecord, columns: int | None = None):
     fig.tight_layout()
     plt.close(fig)
     return fig
-
-
-def _png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    return buf.getvalue()
 
 
 class RingStepper:

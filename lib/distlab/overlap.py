@@ -1,0 +1,178 @@
+"""Overlapping communication with computation: how a bucket's all-reduce is issued so
+that it runs while backward goes on, and how much time that saves.
+
+A *channel* launches an averaging all-reduce of a flat buffer without waiting for it,
+and later waits for a list of such launches (:class:`distlab.dp.DataParallel` uses one):
+
+- :class:`Handles`, on CPUs (gloo): ``async_op=True`` returns a work handle at once and
+  gloo's own threads run the collective; ``wait()`` blocks the caller until it is done.
+  On a CPU the collective's threads compete with the computation for the same cores.
+- :class:`CommStream`, on GPUs: the picture of the course material made explicit. The
+  host records an event on the compute stream once a bucket's gradients are written, a
+  communication stream waits for that event and the all-reduce is issued there; before
+  the optimizer step the compute stream waits for the communication stream. The host
+  never blocks; the GPU runs the NCCL kernel beside backward's kernels. (torch's NCCL
+  process group runs each collective on an internal stream of its own, which it orders
+  after the stream that is current at the call by the same kind of event.)
+- :class:`RawNccl`, on GPUs: ``ncclAllReduce`` called through ``cupy.cuda.nccl``
+  (:mod:`distlab.nccl_raw`) on a stream of our own, ordered by events alone: the
+  C-level picture, with no process group in between.
+
+Each averages: ``ReduceOp.AVG`` where the backend has it (NCCL since 2.10; gloo since
+torch 2.8, as a sum then a division), else a division of the buffer before a SUM.
+
+:func:`wrap` and :func:`compare` measure what overlap buys: the step time of the naive
+one-shot all-reduce after backward, one all-reduce per parameter, buckets, and torch's
+DDP, interleaved in one run.
+"""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab import bench
+from distlab.dp import DataParallel, OneShotDataParallel
+
+CHANNELS = ("auto", "handles", "stream", "raw-nccl")
+VARIANTS = ("naive", "per-parameter", "bucketed", "torch DDP")
+
+
+def average_op(group=None) -> tuple[dist.ReduceOp, bool]:
+    """``(op, divide_first)``: the reduction that averages over ``group`` on this backend,
+    and whether the buffer must be divided by the group's size before a SUM instead."""
+    name = dist.get_backend(group)
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if name == "nccl" or (name == "gloo" and version >= (2, 8)):
+        return dist.ReduceOp.AVG, False
+    return dist.ReduceOp.SUM, True
+
+
+class Handles:
+    """Asynchronous all-reduces through torch.distributed's work handles (any backend)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.op, self.divide_first = average_op(group)
+        self.world = dist.get_world_size(group)
+
+    def launch(self, flat: torch.Tensor):
+        """Start averaging ``flat`` over the group; returns the handle to wait on."""
+        if self.divide_first:
+            flat.div_(self.world)
+        return dist.all_reduce(flat, op=self.op, group=self.group, async_op=True)
+
+    def wait(self, handles) -> None:
+        for h in handles:
+            h.wait()
+
+
+class CommStream(Handles):
+    """The all-reduces on a CUDA communication stream, ordered by events (see the
+    module docstring). ``stream`` is that stream."""
+
+    def __init__(self, group=None, device=None):
+        super().__init__(group)
+        self.stream = torch.cuda.Stream(device)
+
+    def launch(self, flat: torch.Tensor):
+        ready = torch.cuda.Event()
+        ready.record()                       # on the compute stream: the bucket is written
+        self.stream.wait_event(ready)        # the comm stream starts no earlier
+        with torch.cuda.stream(self.stream):
+            return super().launch(flat)      # the collective is ordered after the comm stream
+
+    def wait(self, handles) -> None:
+        with torch.cuda.stream(self.stream):
+            super().wait(handles)            # NCCL: the comm stream waits; the host does not
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        torch.cuda.current_stream().wait_event(done)  # the update waits for the averages
+
+
+class RawNccl:
+    """``ncclAllReduce`` (op ``ncclAvg``) through cupy on our own CUDA stream, over the
+    default group's ranks (each builds one NCCL communicator of its own)."""
+
+    def __init__(self, group=None, device=None):
+        if group is not None:
+            raise ValueError("the raw-nccl channel builds its communicator over every rank of "
+                             "the launch; use channel='stream' with a process group")
+        from distlab import nccl_raw
+
+        self.comm = nccl_raw.communicator()
+        self.stream = torch.cuda.Stream(device)
+
+    def launch(self, flat: torch.Tensor) -> torch.cuda.Event:
+        from distlab import nccl_raw
+
+        ready = torch.cuda.Event()
+        ready.record()
+        self.stream.wait_event(ready)
+        nccl_raw.all_reduce(self.comm, flat, op="avg", stream=self.stream)
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return done
+
+    def wait(self, handles) -> None:
+        for done in handles:
+            torch.cuda.current_stream().wait_event(done)
+
+
+def channel(kind: str = "auto", group=None, device: torch.device | None = None):
+    """The channel ``kind`` for tensors on ``device``: "auto" (CommStream for CUDA
+    tensors, Handles otherwise), "handles", "stream" or "raw-nccl"."""
+    if kind not in CHANNELS:
+        raise ValueError(f"channel must be one of {CHANNELS}, got {kind!r}")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if kind in ("stream", "raw-nccl") and not cuda:
+        raise ValueError(f"channel={kind!r} needs the model on a CUDA device (it orders CUDA "
+                         f"streams); use 'handles' or 'auto' on CPUs")
+    if kind == "raw-nccl":
+        return RawNccl(group, device)
+    if kind == "stream" or (kind == "auto" and cuda):
+        return CommStream(group, device)
+    return Handles(group)
+
+
+def wrap(module: nn.Module, variant: str, bucket_cap_mb: float | None = 25, group=None):
+    """``(model, finish)``: ``module`` wrapped for ``variant`` (one of :data:`VARIANTS`),
+    and what to call between backward and the optimizer step.
+
+    naive: lab 04's one-shot all-reduce after backward; per-parameter: one asynchronous
+    all-reduce per parameter from backward hooks; bucketed: :class:`DataParallel` with
+    ``bucket_cap_mb``; torch DDP: ``DistributedDataParallel`` with ``bucket_cap_mb``
+    (25 by default, as torch's), which synchronises inside backward."""
+    if variant == "naive":
+        model = OneShotDataParallel(module, group=group)
+    elif variant == "per-parameter":
+        model = DataParallel(module, None, group=group)
+    elif variant == "bucketed":
+        model = DataParallel(module, bucket_cap_mb, group=group)
+    elif variant == "torch DDP":
+        device = next(module.parameters()).device
+        model = nn.parallel.DistributedDataParallel(
+            module, device_ids=[device] if device.type == "cuda" else None,
+            process_group=group, bucket_cap_mb=bucket_cap_mb)
+        return model, lambda: None
+    else:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return model, model.finish_gradient_synchronization
+
+
+def compare(steps: dict, rounds: int = 3, iters: int = 3, warmup: int = 2,
+            group=None) -> dict[str, float]:
+    """Median seconds per call of each of ``steps`` (name → a function running one
+    training step), interleaved: every round times ``iters`` calls of each in turn, so
+    that a machine whose speed drifts slows them alike. Call on every rank of ``group``;
+    each call's time is the slowest rank's (:func:`distlab.bench.time_op`)."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    per_round: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            per_round[name].append(bench.time_op(fn, warmup=0, iters=iters, group=group))
+    return {name: statistics.median(t) for name, t in per_round.items()}

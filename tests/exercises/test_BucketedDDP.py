@@ -1,0 +1,374 @@
+"""Exercise BucketedDDP(module, bucket_cap_mb=25, group=None) of lab 08.
+
+The contract (DESIGN.md): shaped like DataParallel (``.module``, rank 0's weights
+broadcast at construction, ``finish_gradient_synchronization()`` after backward); the
+averaged gradients equal plain data parallel's; the all-reduces are launched from
+backward hooks, asynchronously, one per bucket, buckets in reverse parameter order (a
+bucket closes once it holds at least ``bucket_cap_mb`` MiB); ``bucket_cap_mb=None`` is
+one per parameter.
+
+The test model is the course's small GPT in float64 with the awkward cases: the head
+tied to the token embedding, a frozen parameter (``ln_f.bias``), one the loss never uses
+(``unused``), 10 sequences a step (uneven over 3 and 4 ranks). A second model,
+``Branchy``, has a middle layer that only some ranks use in a step: buckets launched in
+a different order on different ranks then hang, crash or mix up gradients.
+
+Every check runs here, in the test process, on what the ranks returned (plain data); the
+expected values are computed here, in one process.
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+from dp_cases import Branchy, branchy_backward, branchy_means, local_loss, make_model, snapshot
+
+from distlab import launch
+from distlab.comm import CommLog
+from distlab.dp import plan_buckets
+from distlab.grading import expect_close
+
+NOTEBOOK = "08_overlap"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
+
+STEPS, LR = 3, 0.5
+CAP = 0.002          # MiB: the small GPT's gradients make 9-10 buckets
+WORLDS = [1, 2, 3, 4]
+TIMEOUT = 30           # seconds a launch may take: a deadlock is reported within it
+
+
+def calls(log):
+    """The collectives of a CommLog as plain data: (op, bytes, async, start)."""
+    return [(e.op, e.nbytes, e.async_op, e.start) for e in log.events]
+
+
+def rank_cases(BucketedDDP):
+    """Every case but the branchy one, on this rank; returns plain data only."""
+    import time
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # every parameter used: construction from rank-specific weights, one backward timed
+    model = make_model(seed=rank, unused=False)
+    marks = []
+    for p in model.parameters():  # registered first: they run before the student's hooks
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda _: marks.append(time.perf_counter()))
+    with CommLog() as log:
+        ddp = BucketedDDP(model, CAP)
+    out["build"] = {"start": snapshot(model), "module": getattr(ddp, "module", None) is model,
+                    "calls": calls(log)}
+    with CommLog() as log:
+        local_loss(ddp, 0, rank, world).backward()
+        ddp.finish_gradient_synchronization()
+    out["overlap"] = {"calls": calls(log), "marks": marks}
+    # training (with the never-used parameter): SGD steps, the student's synchronisation
+    # between backward and step; the first step's gradients are kept
+    model = make_model()
+    ddp = BucketedDDP(model, CAP)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    with CommLog() as log:
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss = local_loss(ddp, step, rank, world)
+            loss.backward()
+            ddp.finish_gradient_synchronization()
+            if step == 0:
+                first = snapshot(model, "grad")
+            opt.step()
+            losses.append(loss.detach())
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)
+    out["train"] = {"losses": losses / world, "params": snapshot(model), "calls": calls(log),
+                    "grads": first}
+    # one bucket per parameter, and one bucket for everything
+    for cap in (None, 25):
+        model = make_model()
+        ddp = BucketedDDP(model, cap)
+        with CommLog() as log:
+            local_loss(model, 0, rank, world).backward()
+            ddp.finish_gradient_synchronization()
+        out[f"cap={cap}"] = {"grads": snapshot(model, "grad"), "calls": calls(log)}
+    return out
+
+
+def pair_case(BucketedDDP):
+    """group=dist.new_group([0, 2]): ranks 0 and 2 average between themselves; the
+    others must be left alone (a launch of its own: code that ignores the group hangs)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pair = dist.new_group([0, 2])
+    model = make_model(seed=rank)
+    before = snapshot(model)
+    with CommLog() as log:
+        ddp = BucketedDDP(model, CAP, group=pair)
+        local_loss(model, 0, rank, world).backward()
+        ddp.finish_gradient_synchronization()
+    return {"before": before, "after": snapshot(model), "grads": snapshot(model, "grad"),
+            "calls": calls(log)}
+
+
+def branchy_case(BucketedDDP):
+    """Two steps of Branchy, one bucket per parameter (its middle layer's buckets sit
+    between the others)."""
+    model = Branchy()
+    ddp = BucketedDDP(model, None)
+    steps = []
+    with CommLog() as log:
+        for step in range(2):
+            model.zero_grad()
+            branchy_backward(model, dist.get_rank(), step)
+            ddp.finish_gradient_synchronization()
+            steps.append(snapshot(model, "grad"))
+    return {"grads": steps, "calls": calls(log)}
+
+
+_runs = {}
+
+
+def run(student, world, case=rank_cases):
+    """``case`` at ``world`` ranks, launched once and shared by the tests."""
+    key = (case.__name__, world)
+    if key not in _runs:
+        try:
+            _runs[key] = launch.run(case, world, student.BucketedDDP, backend="gloo",
+                                    timeout=TIMEOUT)
+        except launch.LaunchError as e:
+            _runs[key] = e
+    if isinstance(_runs[key], Exception):
+        raise _runs[key]
+    return _runs[key]
+
+
+def run_pair(student, world):
+    """The subgroup case; a hang there is a collective issued outside the group."""
+    try:
+        return run(student, world, pair_case)
+    except launch.LaunchTimeout as e:
+        raise AssertionError(
+            f"with group=dist.new_group([0, 2]) the ranks did not finish within {e.timeout:g} s: "
+            f"a collective issued on the default group waits for rank 1, which is not in the "
+            f"group. Pass group= to the broadcast and to every all-reduce") from None
+
+
+def local_grads(world, unused=True):
+    """Each rank's own gradients (rank 0's weights), computed here in one process."""
+    grads = []
+    for rank in range(world):
+        model = make_model(unused=unused)
+        local_loss(model, 0, rank, world).backward()
+        grads.append(snapshot(model, "grad"))
+    return grads
+
+
+def expected_buckets(cap, unused=True):
+    """Bytes of each bucket, in launch order (the rule of dp.plan_buckets)."""
+    params = [p for p in make_model(unused=unused).parameters() if p.requires_grad]
+    return [sum(params[i].numel() * 8 for i in idx) for idx in plan_buckets(params, cap)]
+
+
+def check_mean(grads, local, ranks, where):
+    """Every gradient some rank has is the mean over ``ranks``; ``ln_f.bias`` (frozen)
+    has none; ``unused`` (no rank used it) has none or zeros."""
+    for name, want in local[ranks[0]].items():
+        got = grads[name]
+        if name == "ln_f.bias":
+            assert got is None, (f"{where}: ln_f.bias is frozen (requires_grad=False) and must "
+                                 f"keep .grad None; leave frozen parameters out of the buckets")
+            continue
+        if want is None:
+            assert got is None or not got.any(), (
+                f"{where}: {name} got no gradient on any rank, so its .grad must stay None or "
+                f"zero; got {got}: zero the bucket slots of gradients a backward did not produce")
+            continue
+        assert got is not None, (f"{where}: the gradient of {name} is None after "
+                                 f"finish_gradient_synchronization()")
+        stack = torch.stack([local[r][name] for r in ranks])
+        mean = stack.mean(0)
+        if len(ranks) > 1 and torch.allclose(got, stack.sum(0)) and not torch.allclose(got, mean):
+            raise AssertionError(f"{where}: the gradient of {name} is the SUM over the ranks, not "
+                                 f"the mean: divide each bucket by the group's size (or use "
+                                 f"ReduceOp.AVG)")
+        expect_close(got, mean, f"{where}: gradient of {name} (should be the mean over "
+                                f"{len(ranks)} rank(s); if it holds another parameter's values, "
+                                f"the ranks launched their buckets in different orders)")
+
+
+def all_reduces(call_list):
+    return [c for c in call_list if c[0] == "all_reduce"]
+
+
+def describe_buckets(sizes):
+    return f"{len(sizes)} all-reduce(s) of {sizes} bytes"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gradients_are_the_mean_over_ranks(student, world):
+    """After one backward and finish_gradient_synchronization(), every gradient is the
+    mean over the ranks (tied, frozen and never-used parameters included)."""
+    out = run(student, world)
+    local = local_grads(world)
+    for rank, r in enumerate(out):
+        check_mean(r["train"]["grads"], local, list(range(world)), f"rank {rank} of {world}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_training_matches_one_process(student, world):
+    """The correctness rule: 3 SGD steps on ``world`` ranks give the weights and losses
+    of one process on the whole batch (zero_grad() sets .grad to None between steps)."""
+    model = make_model()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = local_loss(model, step, 0, 1)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    want = snapshot(model)
+    for rank, r in enumerate(run(student, world)):
+        for name, value in r["train"]["params"].items():
+            expect_close(value, want[name], f"rank {rank} of {world}: weights of {name} after "
+                         f"{STEPS} SGD steps, against one process on the whole batch (a stale "
+                         f"bucket from the previous step? each step must start afresh)")
+        expect_close(r["train"]["losses"], torch.stack(losses),
+                     f"rank {rank} of {world}: the loss of each step")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_0_weights_are_broadcast_and_module_is_kept(student, world):
+    start = snapshot(make_model(unused=False))
+    for rank, r in enumerate(run(student, world)):
+        case = r["build"]
+        assert case["module"], f"rank {rank}: BucketedDDP(model).module must be model itself"
+        for name, value in case["start"].items():
+            expect_close(value, start[name], f"rank {rank} of {world}: {name} right after "
+                         f"BucketedDDP(...) (each rank built different weights; rank 0 of the "
+                         f"group must broadcast its parameters and buffers at construction)")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_all_reduce_per_bucket_in_reverse_order(student, world):
+    want = expected_buckets(CAP)
+    n_params = sum(1 for p in make_model().parameters() if p.requires_grad)
+    for rank, r in enumerate(run(student, world)):
+        calls = r["train"]["calls"]
+        others = sorted({c[0] for c in calls} - {"all_reduce"})
+        assert not others, (f"rank {rank}: the training steps called {others}; the gradients "
+                            f"need all_reduce only (the broadcast belongs to construction)")
+        sizes = [c[1] for c in all_reduces(calls)]
+        where = f"rank {rank} of {world}, bucket_cap_mb={CAP}"
+        if len(sizes) == STEPS * n_params and len(want) < n_params:
+            raise AssertionError(f"{where}: one all-reduce per parameter ({n_params} a step); "
+                                 f"expected {describe_buckets(want)}: collect the gradients in "
+                                 f"buckets of at least bucket_cap_mb MiB")
+        assert len(sizes) == STEPS * len(want), (
+            f"{where}: {len(sizes)} all-reduces in {STEPS} steps, expected {len(want)} a step "
+            f"(one per bucket): {describe_buckets(want)}")
+        for step in range(STEPS):
+            got = sizes[step * len(want):(step + 1) * len(want)]
+            assert got == want, (
+                f"{where}, step {step}: {describe_buckets(got)}, expected "
+                f"{describe_buckets(want)}: walk the parameters that require grad in reverse "
+                f"order of module.parameters() and close a bucket as soon as it holds "
+                f">= bucket_cap_mb * 2**20 bytes")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_cap_none_is_one_all_reduce_per_parameter_and_large_cap_one(student, world):
+    for rank, r in enumerate(run(student, world)):
+        for cap in (None, 25):
+            want = expected_buckets(cap)
+            sizes = [c[1] for c in all_reduces(r[f"cap={cap}"]["calls"])]
+            assert sizes == want, (f"rank {rank}, bucket_cap_mb={cap}: {describe_buckets(sizes)},"
+                                   f" expected {describe_buckets(want)}" +
+                                   (" (None means one bucket per parameter)" if cap is None
+                                    else ""))
+            check_mean(r[f"cap={cap}"]["grads"], local_grads(world), [0, 1],
+                       f"rank {rank}, bucket_cap_mb={cap}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_reduces_are_asynchronous(student, world):
+    for rank, r in enumerate(run(student, world)):
+        blocking = [c for c in all_reduces(r["overlap"]["calls"]) if not c[2]]
+        assert not blocking, (
+            f"rank {rank}: {len(blocking)} all-reduce(s) called with async_op=False: a blocking "
+            f"all-reduce in a hook stops backward until it is done. Pass async_op=True and "
+            f"wait for the handles in finish_gradient_synchronization()")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_first_all_reduce_starts_before_the_last_gradient(student, world):
+    """Overlap: with every parameter used, the first bucket's all-reduce is issued while
+    backward still computes the gradients of earlier layers."""
+    for rank, r in enumerate(run(student, world)):
+        case = r["overlap"]
+        starts = [c[3] for c in all_reduces(case["calls"])]
+        assert starts, f"rank {rank}: no all-reduce during the step"
+        last = max(case["marks"])
+        assert min(starts) < last, (
+            f"rank {rank} of {world}: no overlap: the first all-reduce started "
+            f"{1e3 * (min(starts) - last):.2f} ms after the last gradient was computed. Launch "
+            f"each bucket from a backward hook (register_post_accumulate_grad_hook) as soon as "
+            f"its gradients are all there, not in finish_gradient_synchronization()")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_same_bucket_order_on_every_rank_when_a_layer_is_skipped(student, world):
+    """Branchy's middle layer gets no gradient on some ranks: its bucket fills only in
+    finish_gradient_synchronization() there. Launching buckets as they fill would pair
+    different buckets across ranks (a crash, a hang, or mixed-up gradients)."""
+    try:
+        out = run(student, world, branchy_case)
+    except (launch.RankCrashed, launch.RankError) as e:
+        raise AssertionError(
+            f"with a layer some ranks skip, the ranks failed in a collective "
+            f"({str(e).splitlines()[0]}): they launched different buckets at the same time. "
+            f"Launch bucket i only after buckets 0..i-1, and launch the ones backward left in "
+            f"finish_gradient_synchronization(), in order") from None
+    orders = [[c[1] for c in all_reduces(r["calls"])] for r in out]
+    for rank, order in enumerate(orders):
+        assert order == orders[0], (f"rank {rank} all-reduced buckets of {order} bytes, rank 0 "
+                                    f"of {orders[0]}: every rank must launch the same buckets "
+                                    f"in the same order")
+    for step in range(2):
+        means = branchy_means(world, step)
+        for rank, r in enumerate(out):
+            for name, want in means.items():
+                got = r["grads"][step][name]
+                assert got is not None, (f"rank {rank}, step {step}: {name} has no gradient; "
+                                         f"a layer another rank used gets the mean (this rank "
+                                         f"contributes zeros)")
+                expect_close(got, want, f"rank {rank} of {world}, step {step}: gradient of {name} "
+                             f"(ranks that skipped the layer contribute zeros, not last step's "
+                             f"values)")
+
+
+@pytest.mark.parametrize("world", [3])
+def test_a_group_averages_over_its_own_ranks(student, world):
+    """group=dist.new_group([0, 2]): ranks 0 and 2 average between the two of them."""
+    out = run_pair(student, world)
+    local = local_grads(world)
+    for rank in (0, 2):
+        check_mean(out[rank]["grads"], local, [0, 2],
+                   f"rank {rank} of {world}, in group [0, 2] (pass group= to the broadcast and "
+                   f"the all-reduces, divide by dist.get_world_size(group))")
+
+
+@pytest.mark.parametrize("world", [3])
+def test_a_rank_outside_the_group_is_left_alone(student, world):
+    r = run_pair(student, world)[1]
+    assert not r["calls"], (f"rank 1 is not in the group [0, 2] but called "
+                            f"{sorted({c[0] for c in r['calls']})}: a rank outside the group "
+                            f"must return at once, as torch's collectives do")
+    for name, value in r["after"].items():
+        expect_close(value, r["before"][name], f"rank 1 (outside the group): its weights of "
+                     f"{name} changed")
+    model = make_model(seed=1)
+    local_loss(model, 0, 1, world).backward()
+    for name, g in snapshot(model, "grad").items():
+        if g is not None:
+            expect_close(r["grads"][name], g, f"rank 1 (outside the group): the gradient of {name}"
+                         f" must stay its own")
