@@ -106,11 +106,13 @@ class CommLog:
     def __enter__(self) -> "CommLog":
         install()
         self.origin = time.perf_counter()
-        _state.logs.append(self)
+        with _logs_lock:
+            _logs.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _state.logs.remove(self)
+        with _logs_lock:
+            _logs.remove(self)
 
     def __getstate__(self):
         return {"events": self.events, "rank": self.rank, "origin": self.origin}
@@ -197,9 +199,14 @@ def size_label(nbytes: float) -> str:
 
 class _State(threading.local):
     def __init__(self):
-        self.logs: list[CommLog] = []
         self.depth = 0
         self.batch: int | None = None  # id of the batch_isend_irecv under way
+
+
+# Active logs are seen by every thread of the process: on CUDA, autograd runs backward
+# hooks (which launch DDP-style bucket all-reduces) in a thread of its own.
+_logs: list["CommLog"] = []
+_logs_lock = threading.Lock()
 
 
 _batch_ids = itertools.count(1)
@@ -288,7 +295,7 @@ def _trace(name: str, fn):
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        if _state.depth or not (_state.logs or _status):
+        if _state.depth or not (_logs or _status):
             return fn(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -315,9 +322,11 @@ def _trace(name: str, fn):
         else:
             event.end = time.perf_counter()
         if _status:
-            _status.post(f"after {event.describe()} at {time.time():.3f}")
-        for log in _state.logs:
-            log.events.append(event)
+            issued = " issued async" if event.async_op else ""
+            _status.post(f"after {event.describe()}{issued} at {time.time():.3f}")
+        with _logs_lock:
+            for log in _logs:
+                log.events.append(event)
         return result
 
     traced.__distlab_traced__ = fn

@@ -111,10 +111,14 @@ def _verdict_of(exc) -> tuple[str, str]:
 
     if isinstance(exc, LaunchTimeout):
         where = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
-        if all(w.startswith(("running", "computing")) for w in exc.where.values()):
+        if all(w.startswith(("running", "computing")) and "issued async" not in w
+               for w in exc.where.values()):
             return "timeout", (f"no answer within {exc.timeout:g} s, and no rank was waiting "
                                f"for another: an endless loop, or far too slow ({where})")
-        return "deadlock", f"deadlock: no answer within {exc.timeout:g} s ({where})"
+        waiting = any("issued async" in w for w in exc.where.values())
+        return "deadlock", f"deadlock: no answer within {exc.timeout:g} s ({where})" + (
+            "; a rank whose last call was an async collective is waiting for it to finish"
+            if waiting else "")
     if isinstance(exc, NotImplementedError) or (
             isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
         return "not attempted", "not implemented yet (raise NotImplementedError)"
