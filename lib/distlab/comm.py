@@ -212,20 +212,36 @@ _installed = False
 
 class StatusBoard:
     """A few bytes of shared memory where a rank posts the call it is in, so that the
-    launcher can say where each rank stood when a launch hangs."""
+    launcher can say where each rank stood when a launch hangs.
+
+    Layout: a count of finished posts, the text, a count of started posts. The writer
+    bumps the last, writes the text, then the first; a reader that sees two equal counts
+    around the text read a whole post, never half of one (a seqlock)."""
 
     SIZE = 256
+    _TEXT = slice(4, SIZE - 4)
 
     def __init__(self, buffer):
         self.buffer = buffer
+        self.count = 0
 
     def post(self, text: str) -> None:
-        data = text.encode()[: self.SIZE - 1] + b"\0"
-        self.buffer[: len(data)] = data
+        self.count = (self.count + 1) % 2**32
+        stamp = self.count.to_bytes(4, "little")
+        data = text.encode()[: self._TEXT.stop - self._TEXT.start - 1] + b"\0"
+        self.buffer[self.SIZE - 4:] = stamp
+        self.buffer[self._TEXT.start:self._TEXT.start + len(data)] = data
+        self.buffer[:4] = stamp
 
     @classmethod
-    def read(cls, buffer) -> str:
-        return bytes(buffer[: cls.SIZE]).split(b"\0", 1)[0].decode(errors="replace")
+    def read(cls, buffer, attempts: int = 100) -> str:
+        """The last whole post in ``buffer`` (an mmap of the board), or "" if none."""
+        for _ in range(attempts):
+            finished = bytes(buffer[:4])
+            text = bytes(buffer[cls._TEXT])
+            if bytes(buffer[cls.SIZE - 4:cls.SIZE]) == finished:
+                return text.split(b"\0", 1)[0].decode(errors="replace")
+        return ""
 
 
 def post_status_to(board: StatusBoard | None) -> None:
