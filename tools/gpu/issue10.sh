@@ -8,9 +8,11 @@
 #   4. the ring's correctness at world size 2, 1 B .. 1 GiB, odd lengths;
 #   5. the multigpu tests of the ring and the bench.
 # Everything lands in $OUT (default /tmp/issue10): *.txt logs, JSON and PNG figures.
+# tools/gpu/prelude.sh (wheels, environment, nccl-tests build) is sourced first.
 set -u
 OUT=${OUT:-/tmp/issue10}
-PY=${PY:-python}
+PY=${PY:-python3}
+[ -f tools/gpu/prelude.sh ] && source tools/gpu/prelude.sh
 export PYTHONPATH="$PWD/lib${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
