@@ -34,6 +34,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet --no-deps "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
 	$(PY) -m pip install --quiet -e "$(EXTRAS_SPEC)" $(DEPS_INDEX)
+	@# nbgrader ([dev], for the instructors' tests) stays out of the students' JupyterLab;
+	@# instructors: jupyter labextension enable @jupyter/nbgrader
+	-$(VENV)/bin/jupyter labextension disable --level=sys_prefix @jupyter/nbgrader >/dev/null 2>&1
+	-for e in formgrader validate_assignment assignment_list course_list; do \
+	  $(VENV)/bin/jupyter server extension disable --sys-prefix nbgrader.server_extensions.$$e >/dev/null 2>&1; done
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install the kit (CPU torch where there is no GPU)

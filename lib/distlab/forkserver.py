@@ -285,8 +285,16 @@ def main() -> None:
     from distlab import comm, plain, worker  # noqa: F401
 
     children: set[int] = set()
-    while _serve(sock, children):
-        pass
+    warmed = False
+    while True:
+        if not warmed and not wait_readable(sock.fileno(), 0.5):
+            # While idle (never while ranks wait to be forked): what torch's optimizers
+            # import on their first step, seconds a rank would otherwise spend itself.
+            import torch._dynamo  # noqa: F401
+
+            warmed = True
+        if not _serve(sock, children):
+            break
 
 
 if __name__ == "__main__":

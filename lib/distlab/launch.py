@@ -160,19 +160,23 @@ def shutdown(graceful: bool = True) -> None:
             _pool_lock.release()
 
 
-def progress(iterable=None, total: int | None = None, desc: str = ""):
+def progress(iterable, total: int | None = None, desc: str = ""):
     """Wrap a loop in a launched function: rank 0 drives a progress bar in the notebook
-    (tqdm) while the other ranks iterate silently. Works under torchrun too."""
+    (tqdm) while the other ranks iterate silently. Works under torchrun too.
+
+    In a notebook the bar is tqdm's widget while the loop runs; when it ends the widget
+    gives way to one plain line with the final count (see :class:`_Bar`), which is what
+    a stored notebook then shows."""
     from distlab import worker
 
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
     task = worker.current
-    if task is None:
-        from tqdm.auto import tqdm
-
-        return tqdm(iterable, total=total, desc=desc, disable=_rank() != 0)
-    return _reported(iterable, total, desc, task)
+    if task is not None:
+        return _reported(iterable, total, desc, task)
+    if _rank() != 0:
+        return iter(iterable)
+    return _drawn(iterable, total, desc)
 
 
 def store():
@@ -725,15 +729,63 @@ def _reported(iterable, total, desc, task):
     task.progress(desc, n, total, final=True)
 
 
-def _update_bar(bar, desc, n, total):
-    from tqdm.auto import tqdm
+def _drawn(iterable, total, desc):
+    bar = _Bar(desc, total)
+    try:
+        for n, item in enumerate(iterable, 1):
+            yield item
+            bar.update(n)
+    finally:
+        bar.close()
 
-    if bar is None or bar.desc.rstrip(": ") != desc:
+
+def _update_bar(bar, desc, n, total):
+    if bar is None or bar.desc != desc:
         if bar is not None:
             bar.close()
-        bar = tqdm(total=total, desc=desc)
-    bar.update(n - bar.n)
+        bar = _Bar(desc, total)
+    bar.update(n)
     return bar
+
+
+class _Bar:
+    """A progress bar in the caller: tqdm's text bar in a terminal, its widget in a
+    notebook.
+
+    A notebook stores a widget's output as it was first drawn ("0%"), and that is what
+    GitHub and other static views show. So in a notebook the widget is displayed with no
+    text of its own, and when the bar closes it is replaced by nothing and its final
+    state is printed as a plain line, without timings: ``desc: 100%|██████████| 600/600``.
+    A re-run prints the same line (nbval compares it; it skips the widget's view)."""
+
+    WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+    def __init__(self, desc: str, total: int | None):
+        from tqdm.auto import tqdm
+
+        self.desc, self.handle = desc, None
+        if "tqdm.notebook" not in {cls.__module__ for cls in tqdm.__mro__}:
+            self.tqdm = tqdm(total=total, desc=desc)  # a terminal, or no ipywidgets
+            return
+        from IPython.display import display
+
+        self.tqdm = tqdm(total=total, desc=desc, display=False)
+        view = {"version_major": 2, "version_minor": 0, "model_id": self.tqdm.container.model_id}
+        self.handle = display({self.WIDGET_VIEW: view}, raw=True, display_id=True)
+
+    def update(self, n: int) -> None:
+        self.tqdm.update(n - self.tqdm.n)
+
+    def close(self) -> None:
+        self.tqdm.close()
+        if self.handle is None:
+            return
+        self.handle.update({}, raw=True)
+        self.tqdm.container.close()
+        n, total = self.tqdm.n, self.tqdm.total
+        print(self.tqdm.format_meter(n, total, 0, prefix=self.desc,
+                                     bar_format="{l_bar}{bar:10}| {n_fmt}/{total_fmt}")
+              if total else f"{self.desc}: {n}it")
 
 
 _PACKAGE_FOR = {"cupy": "cupy-cuda13x (or: pip install -e '.[gpu]')", "cv2": "opencv-python",

@@ -1,11 +1,13 @@
 """Exercise allreduce_gradients(model, group=None) of lab 04.
 
 Every ``.grad`` must become its mean over the ranks of the group; parameters without a
-gradient stay untouched. The test model is the course's small GPT in float64 with the
-awkward cases: its output head tied to the token embedding, a frozen parameter
-(``ln_f.bias``), a parameter the loss never uses (``unused``), and a global batch of 10
-sequences (uneven over 3 and 4 ranks). One launch per world size runs every case; the
-tests then compare with the single-process computation done here.
+gradient stay untouched; a rank outside the group returns at once, changing nothing. The
+test model is the course's small GPT in float64 with the awkward cases: its output head
+tied to the token embedding, a frozen parameter (``ln_f.bias``), a parameter the loss
+never uses (``unused``), and a global batch of 10 sequences (uneven over 3 and 4 ranks).
+One launch per world size runs every case; the ranks return plain data (gradients,
+weights, losses, the CommLog's records) and every check is made here, against the
+single-process computation done here.
 """
 import sys
 
@@ -29,6 +31,7 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these h
 BATCH, SEQ, STEPS, VOCAB, LR = 10, 8, 3, 13, 0.5
 LANG = NGramLanguage(VOCAB, 3, seed=0)
 WITHOUT_GRAD = ("ln_f.bias", "unused")
+PAIR = [0, 2]  # the subgroup of the group tests
 NONE_GRAD_HINT = ("the test model has a frozen parameter (ln_f.bias) and one the loss never "
                   "uses (unused); their .grad is None: skip parameters whose .grad is None")
 
@@ -55,15 +58,6 @@ def snapshot(model, what="param"):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def call(fn, *args, **kwargs):
-    """Run the student's function; an exception comes back as text, not a hang."""
-    try:
-        fn(*args, **kwargs)
-        return None
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-
 def rank_cases(allreduce_gradients):
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -72,10 +66,9 @@ def rank_cases(allreduce_gradients):
     local_loss(model, 0, rank, world).backward()
     out["before"] = snapshot(model)
     with CommLog() as log:
-        out["error"] = call(allreduce_gradients, model)
-    out["grads"], out["after"], out["log"] = snapshot(model, "grad"), snapshot(model), log
-    if out["error"]:
-        return out
+        allreduce_gradients(model)
+    out["grads"], out["after"] = snapshot(model, "grad"), snapshot(model)
+    out["log"] = log.records()
     # training in float32: SGD steps with the exercise between backward and step
     model = make_model(torch.float32)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -87,17 +80,16 @@ def rank_cases(allreduce_gradients):
         allreduce_gradients(model)
         opt.step()
         losses.append(loss.detach())
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)
-    out["train"] = losses / world, snapshot(model)
-    # a subgroup: ranks 0 and 2 average between themselves; the others do nothing
+    out["train"] = torch.stack(losses), snapshot(model)  # this rank's share of each loss
+    # a subgroup: ranks 0 and 2 average between themselves; the others, which call the
+    # function too, must return at once and change nothing
     if world >= 3:
-        pair = dist.new_group([0, 2])
+        pair = dist.new_group(PAIR)
         model = make_model()
         local_loss(model, 0, rank, world).backward()
-        if rank in (0, 2):
-            out["pair_error"] = call(allreduce_gradients, model, group=pair)
+        returned = allreduce_gradients(model, group=pair)
         out["pair"] = snapshot(model, "grad")
+        out["pair_returned"] = None if returned is None else type(returned).__name__
     return out
 
 
@@ -110,17 +102,15 @@ def run(student, world):
         try:
             _runs[world] = launch.run(rank_cases, world, student.allreduce_gradients,
                                       backend="gloo", timeout=30)
+        except launch.RankError as e:
+            hint = f" ({NONE_GRAD_HINT})" if "NoneType" in str(e) else ""
+            _runs[world] = e if e.exc_type == "NotImplementedError" else AssertionError(
+                f"allreduce_gradients at {world} rank(s): {str(e).splitlines()[0]}{hint}")
         except launch.LaunchError as e:
             _runs[world] = e
     if isinstance(_runs[world], Exception):
         raise _runs[world]
-    out = _runs[world]
-    for rank, r in enumerate(out):
-        if r["error"]:
-            raise AssertionError(f"allreduce_gradients raised {r['error']} on rank {rank} of "
-                                 f"{world}" + (f" ({NONE_GRAD_HINT})" if "None" in r["error"]
-                                               else ""))
-    return out
+    return _runs[world]
 
 
 def local_grads(world):
@@ -191,7 +181,7 @@ def test_one_all_reduce_of_each_gradient(student, world):
     with_grad = [p for p in model.parameters() if p.grad is not None]
     grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in with_grad)
     for rank, r in enumerate(run(student, world)):
-        log = r["log"]
+        log = CommLog.from_records(r["log"])
         others = sorted({e.op for e in log.events} - {"all_reduce"})
         assert not others, (f"rank {rank} of {world}: allreduce_gradients called {others}; "
                             f"one all_reduce (SUM) per gradient, then a division, is all it needs")
@@ -220,8 +210,10 @@ def test_training_matches_one_process_on_the_global_batch(student, world):
         opt.step()
         losses.append(loss.detach())
     want = snapshot(model)
-    for rank, r in enumerate(run(student, world)):
-        got_losses, weights = r["train"]
+    out = run(student, world)
+    got_losses = sum(r["train"][0] for r in out) / world  # the global batch's mean loss
+    for rank, r in enumerate(out):
+        weights = r["train"][1]
         for name, value in weights.items():
             expect_close(value, want[name], f"rank {rank} of {world}: weights of {name} after "
                          f"{STEPS} SGD steps, against one process on the whole batch",
@@ -235,9 +227,32 @@ def test_group_averages_over_its_own_ranks(student, world):
     """group=dist.new_group([0, 2]): ranks 0 and 2 average between the two of them."""
     out = run(student, world)
     grads = local_grads(world)
-    for rank in (0, 2):
-        err = out[rank].get("pair_error")
-        assert not err, f"rank {rank}: allreduce_gradients(model, group=...) raised {err}"
-        check_mean(out[rank]["pair"], grads, [0, 2],
-                   f"rank {rank} of {world}, in group [0, 2] (pass group= to the collective and "
+    for rank in PAIR:
+        check_mean(out[rank]["pair"], grads, PAIR,
+                   f"rank {rank} of {world}, in group {PAIR} (pass group= to the collective and "
                    f"divide by the size of the group, dist.get_world_size(group))")
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ranks_outside_the_group_change_nothing(student, world):
+    """The ranks outside group=dist.new_group([0, 2]) call the function too: it must
+    return at once (None) and leave their gradients as backward left them."""
+    out = run(student, world)
+    grads = local_grads(world)
+    for rank in (r for r in range(world) if r not in PAIR):
+        assert out[rank]["pair_returned"] is None, (
+            f"rank {rank} of {world}: allreduce_gradients returned "
+            f"{out[rank]['pair_returned']}; it returns nothing (None)")
+        for name, want in grads[rank].items():
+            got = out[rank]["pair"][name]
+            if want is None:
+                assert got is None, f"rank {rank} of {world}: {name} had no gradient and got one"
+                continue
+            if torch.allclose(got, -want) and not torch.allclose(got, want):
+                raise AssertionError(
+                    f"rank {rank} of {world} is not in the group {PAIR}, and the gradient of "
+                    f"{name} came out with its sign flipped: there dist.get_world_size(group) "
+                    f"is -1. A rank outside the group must return at once "
+                    f"(dist.get_rank(group) < 0) and change nothing")
+            expect_close(got, want, f"rank {rank} of {world}, not in the group {PAIR}: the "
+                         f"gradient of {name} must stay as backward left it (return at once)")

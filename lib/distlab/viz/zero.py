@@ -1,0 +1,271 @@
+"""ZeRO, drawn (lab 05): bytes per rank and stage, the traffic of each strategy, which
+elements a sharded kernel updates, and a memory calculator.
+
+:class:`MemoryCalculator` takes any parameter count Ψ and number of GPUs N and shows the
+paper's bytes per GPU for data parallelism and the three stages, against a GPU's memory.
+Without a widget front end (GitHub, a static HTML export) it shows the same as a table
+and a picture. The plots take plain numbers (dicts of bytes), never the objects that
+made them. matplotlib and ipywidgets are imported where they are used, so that the
+lab's exercise module (which takes the notebook's imports) needs neither.
+"""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+
+from distlab.memory import STAGE_NAMES, STAGES, human, zero_bytes
+from distlab.viz.ring import _png
+
+CATEGORIES = ("params", "grads", "master", "optimizer")
+LABELS = {"params": "weights", "grads": "gradients", "master": "fp32 master weights",
+          "optimizer": "AdamW moments"}
+COLORS = {"params": "tab:blue", "grads": "tab:orange", "master": "tab:green",
+          "optimizer": "tab:purple"}
+GPUS = {"H200 (141 GB)": 141e9, "H100 (80 GB)": 80e9, "A100 (40 GB)": 40e9,
+        "RTX 4090 (24 GB)": 24e9}
+
+
+def _done(fig):
+    """Lay the figure out and close it (a notebook shows the returned figure once)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    plt.close(fig)
+    return fig
+
+
+def plot_rank_bytes(held: dict[str, list[dict]], formula: dict[str, float] | None = None,
+                    title: str = "", scale: float = 1e3, unit: str = "kB"):
+    """Stacked bars of the bytes each rank holds, grouped by strategy: ``held`` maps a
+    strategy to one dict per rank (keys of :data:`CATEGORIES`); ``formula`` (optional)
+    maps a strategy to a predicted bytes-per-rank, drawn as a black line over its bars."""
+    import matplotlib.pyplot as plt
+
+    names = list(held)
+    width = 0.8 / max(len(ranks) for ranks in held.values())
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(names)), 4.2))
+    for g, name in enumerate(names):
+        ranks = held[name]
+        for r, rank_bytes in enumerate(ranks):
+            x = g + (r - (len(ranks) - 1) / 2) * width
+            bottom = 0.0
+            for cat in CATEGORIES:
+                value = rank_bytes.get(cat, 0) / scale
+                ax.bar(x, value, width * 0.9, bottom=bottom, color=COLORS[cat],
+                       label=LABELS[cat] if (g, r) == (0, 0) else None)
+                bottom += value
+            ax.text(x, bottom, f"r{r}", ha="center", va="bottom", fontsize=7)
+        if formula and name in formula:
+            half = len(ranks) * width / 2
+            ax.hlines(formula[name] / scale, g - half, g + half, color="k", lw=1.5,
+                      label="the paper's formula" if g == 0 else None)
+    ax.set_xticks(range(len(names)), [textwrap.fill(n, 16, break_long_words=False) for n in names], fontsize=9)
+    ax.set_ylabel(f"bytes per rank ({unit})")
+    ax.set_title(title or "what each rank holds")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper right")
+    return _done(fig)
+
+
+def plot_equivalence(gaps: dict[tuple[int, str], float], title: str = ""):
+    """The largest difference from one process (losses and weights) of each strategy
+    (groups) at each world size (bars), on a log scale, against float64's rounding."""
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(s for _, s in gaps))
+    worlds = sorted({w for w, _ in gaps})
+    width = 0.8 / len(worlds)
+    fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(names)), 3.8))
+    for i, w in enumerate(worlds):
+        xs = [g + (i - (len(worlds) - 1) / 2) * width for g, s in enumerate(names)
+              if (w, s) in gaps]
+        ys = [max(gaps[w, s], 1e-18) for s in names if (w, s) in gaps]
+        ax.bar(xs, ys, width * 0.9, label=f"{w} rank{'s' if w > 1 else ''}",
+               color=plt.cm.viridis(i / max(len(worlds) - 1, 1)))
+    ax.axhline(np.finfo(np.float64).eps, color="k", ls="--", lw=1,
+               label="float64 epsilon (2.2e-16)")
+    ax.set_yscale("log")
+    ax.set_ylim(1e-18, 1e-8)
+    ax.set_xticks(range(len(names)), [textwrap.fill(n, 16, break_long_words=False) for n in names], fontsize=9)
+    ax.set_ylabel("largest |difference| from one process")
+    ax.set_title(title or "losses and weights against one process", fontsize=10)
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(alpha=0.3, axis="y")
+    return _done(fig)
+
+
+def plot_traffic(volumes: dict[str, float], title: str = ""):
+    """Horizontal bars: each strategy's bytes per rank and step on the wire (``volumes``,
+    in units of Ψ), with the 2Ψ of data parallelism marked."""
+    import matplotlib.pyplot as plt
+
+    names = list(volumes)
+    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) + 1.2))
+    bars = ax.barh(range(len(names)), [volumes[n] for n in names], color="tab:blue")
+    ax.bar_label(bars, fmt="%.2fΨ", fontsize=8, padding=3)
+    ax.axvline(2.0, color="k", ls="--", lw=1, label="data parallelism: 2Ψ")
+    ax.set_yticks(range(len(names)), names, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(volumes.values()) * 1.2)
+    ax.set_xlabel("bytes per rank and step on the wire, in units of Ψ (the gradients' bytes)")
+    ax.set_title(title or "traffic per step")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3, axis="x")
+    return _done(fig)
+
+
+def plot_coverage(rows: dict[str, np.ndarray], title: str = ""):
+    """One row per kernel (``rows``: name -> how many ranks update each element): white
+    where no rank updates an element, green once, red more than once."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    names = list(rows)
+    counts = np.stack([np.minimum(rows[n], 2) for n in names])
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(names) + 1.2))
+    ax.imshow(counts, aspect="auto", interpolation="nearest", vmin=0, vmax=2,
+              cmap=ListedColormap(["white", "tab:green", "tab:red"]))
+    ax.set_yticks(range(len(names)), names, fontsize=9)
+    ax.set_xlabel("element of the flat buffer")
+    for i, name in enumerate(names):
+        lost, twice = int((rows[name] == 0).sum()), int((rows[name] > 1).sum())
+        ax.text(counts.shape[1] - 0.5, i, f"  never: {lost}, twice or more: {twice}",
+                va="center", ha="left", fontsize=8)
+    ax.set_title(title or "which elements the kernels update (green: once; red: twice or "
+                          "more; white: never)", fontsize=10)
+    return _done(fig)
+
+
+def calculator_table(num_params: float, world_size: int, k: float = 12) -> list[tuple]:
+    """(stage, formula, bytes per GPU) of data parallelism and the three stages."""
+    formulas = {0: f"(4+K)Ψ", 1: "4Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(4+K)Ψ/N"}
+    return [(STAGE_NAMES[s], formulas[s], zero_bytes(num_params, world_size, s, k))
+            for s in STAGES]
+
+
+def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | None = None,
+                      k: float = 12):
+    """Bars of :func:`calculator_table` on a log scale, with one GPU's memory."""
+    import matplotlib.pyplot as plt
+
+    table = calculator_table(num_params, world_size, k)
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    values = [b / 1e9 for _, _, b in table]
+    bars = ax.bar([name for name, _, _ in table], values,
+                  color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
+    ax.bar_label(bars, labels=[human(b) for _, _, b in table], fontsize=8)
+    if gpu_bytes:
+        ax.axhline(gpu_bytes / 1e9, color="crimson", ls="--", lw=1,
+                   label=f"one GPU: {human(gpu_bytes)}")
+        ax.legend(fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("GB per GPU (log scale)")
+    ax.set_title(f"Ψ = {num_params:,.0f} parameters on N = {world_size} GPUs, K = {k:g}",
+                 fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+    return _done(fig)
+
+
+class MemoryCalculator:
+    """Bytes per GPU of data parallelism and ZeRO stages 1-3 for any Ψ and N (the
+    paper's formulas, mixed-precision Adam), against a chosen GPU's memory. Displayed,
+    it is its ipywidgets box (``.widget``); as a static output, a table and a picture."""
+
+    def __init__(self, num_params: float = 7.5e9, world_size: int = 64,
+                 gpu: str = "H200 (141 GB)"):
+        import ipywidgets as widgets
+
+        self.psi = widgets.FloatText(value=num_params, description="parameters Ψ",
+                                     style={"description_width": "initial"})
+        self.n = widgets.BoundedIntText(value=world_size, min=1, max=1 << 20,
+                                        description="GPUs N")
+        self.gpu = widgets.Dropdown(options=list(GPUS), value=gpu, description="GPU")
+        self.k = widgets.BoundedFloatText(value=12, min=0, max=64, step=1,
+                                          description="K (bytes)")
+        self.table = widgets.HTML()
+        self.image = widgets.Image(format="png")
+        for w in (self.psi, self.n, self.gpu, self.k):
+            w.observe(lambda _: self.update(), names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.psi, self.n]),
+                                    widgets.HBox([self.gpu, self.k]), self.table, self.image],
+                                   layout=widgets.Layout(align_items="flex-start"))
+        self.update()
+
+    def _values(self):
+        return max(float(self.psi.value), 0.0), int(self.n.value), float(self.k.value)
+
+    def update(self) -> None:
+        psi, n, k = self._values()
+        limit = GPUS[self.gpu.value]
+        rows = "".join(
+            f"<tr><td>{name}</td><td>{formula}</td><td style='text-align:right'>"
+            f"{b / 1e9:,.1f} GB</td><td>{'fits' if b <= limit else 'does not fit'}</td></tr>"
+            for name, formula, b in calculator_table(psi, n, k))
+        self.table.value = (f"<table><tr><th>strategy</th><th>bytes per GPU</th><th></th>"
+                            f"<th>{self.gpu.value}</th></tr>{rows}</table>")
+        self.image.value = _png(calculator_figure(psi, n, limit, k))
+
+    def __repr__(self) -> str:
+        psi, n, k = self._values()
+        lines = [f"ZeRO memory per GPU, Ψ = {psi:,.0f}, N = {n}, K = {k:g}:"]
+        lines += [f"  {name:<14} {formula:<16} {b / 1e9:>10,.1f} GB"
+                  for name, formula, b in calculator_table(psi, n, k)]
+        return "\n".join(lines)
+
+    def _repr_mimebundle_(self, **kwargs):
+        data = self.widget._repr_mimebundle_(**kwargs) or {}
+        psi, n, k = self._values()
+        data["text/plain"] = repr(self)
+        data["image/png"] = _png(calculator_figure(psi, n, GPUS[self.gpu.value], k))
+        return data
+
+
+def plot_gpu_figures(results: list[dict]):
+    """The figures of ``python -m distlab.zero_bench`` (one dict per rank): the kernel's
+    bandwidth, memory per rank and strategy against the accounting, ZeRO-3 against
+    FSDP2."""
+    import matplotlib.pyplot as plt
+
+    fig, (k_ax, m_ax, s_ax) = plt.subplots(1, 3, figsize=(15, 4.2),
+                                           gridspec_kw={"width_ratios": [1, 2, 1]})
+    kernel = results[0].get("kernel", {})
+    if "tb_per_s" in kernel:
+        names = list(kernel["tb_per_s"])
+        bars = k_ax.bar(names, [kernel["tb_per_s"][n] for n in names],
+                        color=["tab:green", "tab:blue", "tab:gray"])
+        k_ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        k_ax.set_ylabel("TB/s at 28 bytes per parameter")
+        k_ax.set_title(f"AdamW on a shard of {kernel['shard']:,}", fontsize=10)
+    else:
+        k_ax.text(0.5, 0.5, "kernel: not measured\n(needs CUDA and cupy)", ha="center",
+                  va="center", transform=k_ax.transAxes)
+    memory = [r.get("memory", {}) for r in results]
+    if memory and "activations" in memory[0]:
+        strategies = [s for s in memory[0] if isinstance(memory[0][s], dict)]
+        width = 0.8 / len(memory)
+        for g, strategy in enumerate(strategies):
+            for rank, m in enumerate(memory):
+                x = g + (rank - (len(memory) - 1) / 2) * width
+                m_ax.bar(x, m[strategy]["peak_minus_activations"] / 1e9, width * 0.9,
+                         color="tab:blue", label="peak − activations" if g + rank == 0 else None)
+                m_ax.hlines(m[strategy]["accounting"]["total"] / 1e9, x - width / 2,
+                            x + width / 2, color="k", lw=2,
+                            label="distlab.memory.accounting" if g + rank == 0 else None)
+        m_ax.set_xticks(range(len(strategies)), strategies)
+        m_ax.set_ylabel("GB per rank")
+        m_ax.set_title(f"bf16 + fp32 AdamW, {len(memory)} ranks (activations "
+                       f"{memory[0]['activations'] / 1e9:.2f} GB, measured apart)", fontsize=10)
+        m_ax.legend(fontsize=8)
+    speed = results[0].get("speed", {})
+    if "best" in speed:
+        bars = s_ax.bar(list(speed["best"]), [1e3 * v for v in speed["best"].values()],
+                        color=["tab:green", "tab:gray"])
+        s_ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        s_ax.set_ylabel("ms per step")
+        s_ax.set_title(f"{speed['tokens_per_rank']} tokens per rank: ratio "
+                       f"{speed['ZeRO-3 / FSDP2']:.2f}", fontsize=10)
+    for ax in (k_ax, m_ax, s_ax):
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{results[0]['device']}, {results[0]['world_size']} ranks")
+    return _done(fig)

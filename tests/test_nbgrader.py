@@ -1,0 +1,118 @@
+"""nbgrader, for real: the course that ``python -m distlab.course`` writes goes through
+nbgrader's own ``generate_assignment`` and ``autograde`` (command line, as an instructor
+runs them).
+
+- The release nbgrader generates from solutions/ is labs/ plus one autograder cell after
+  each exercise: every other cell's source equal, no outputs.
+- ``nbgrader autograde`` of a lab filled in with a partly wrong answer records, in its
+  gradebook, the points the kit's grader (``make grade``) gives the same notebook: the
+  autograder cell prints the kit's verdict row, and the gradebook must agree with it.
+
+Skipped where nbgrader is not installed (it comes with the ``[dev]`` extra).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+pytest.importorskip("nbgrader")
+
+from distlab import course, notebook  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
+# lab 00's exercise, with the mistake the lab warns about: a rank outside the group
+# divides by dist.get_world_size(group), which is -1 there
+PARTLY_WRONG = '''def all_reduce_mean(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    tensor.div_(dist.get_world_size(group))
+    return tensor
+'''
+
+
+def nbgrader(course_dir: Path, *args: str) -> str:
+    # nbgrader runs the `alembic` command of its environment to set up the gradebook
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    run = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=course_dir, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{run.stdout}{run.stderr}"
+    return run.stdout + run.stderr
+
+
+def is_autograder(cell) -> bool:
+    meta = cell.metadata.get("nbgrader", {})
+    return bool(meta.get("grade")) and not meta.get("solution")
+
+
+@pytest.fixture(scope="module")
+def points():
+    """Exercise → its number of CPU tests, what its autograder cell is worth."""
+    return course.cpu_test_counts([name for lab in LABS for name in notebook.exercises(
+        nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4))])
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory, points):
+    """A course of every lab, and nbgrader's release of it."""
+    root = tmp_path_factory.mktemp("course")
+    course.write_course(root, points=points)
+    nbgrader(root, "generate_assignment", "*")
+    return root
+
+
+def test_the_release_is_labs_plus_one_autograder_cell_per_exercise(released, points):
+    for lab in LABS:
+        release = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
+        labs = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4)
+        kept = [c for c in release.cells if not is_autograder(c)]
+        assert [(c.cell_type, c.source) for c in kept] == \
+            [(c.cell_type, c.source) for c in labs.cells], (
+            f"{lab}: nbgrader's release differs from labs/ beyond the autograder cells")
+        assert not any(c.get("outputs") for c in release.cells), f"{lab}: outputs released"
+        for i, cell in enumerate(release.cells):
+            name = notebook.grade_id(cell)
+            if name:
+                after = release.cells[i + 1]
+                assert is_autograder(after), f"{lab}: no autograder cell after {name}"
+                assert after.metadata.nbgrader["points"] == points[name] and \
+                    f"autograde({lab + '.ipynb'!r}, {name!r}, points={points[name]})" \
+                    in after.source, f"{lab}: the autograder cell of {name} is wrong"
+                assert after.metadata.nbgrader["locked"], "students must not edit it"
+
+
+def test_autograde_records_the_points_of_make_grade(released, points):
+    """nbgrader autograde of lab 00 with a partly wrong answer: the autograder cell prints
+    the kit's verdict (the row `make grade` prints) and nbgrader's gradebook holds the
+    same points."""
+    lab = "00_setup"
+    submission = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
+    [cell] = [c for c in submission.cells if notebook.grade_id(c) == "all_reduce_mean"]
+    cell.source = PARTLY_WRONG
+    path = released / "submitted" / "alice" / lab / f"{lab}.ipynb"
+    path.parent.mkdir(parents=True)
+    nbformat.write(submission, path)
+    nbgrader(released, "autograde", lab, "--create")
+
+    graded = nbformat.read(released / "autograded" / "alice" / lab / f"{lab}.ipynb",
+                           as_version=4)
+    [cell] = [c for c in graded.cells if is_autograder(c)]
+    printed = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+    row = re.search(r"^all_reduce_mean +(\d+)/(\d+)", printed, re.MULTILINE)
+    assert row, f"the autograder cell did not print the kit's verdict:\n{printed}"
+    kit_points, kit_max = map(int, row.groups())
+    assert 0 < kit_points < kit_max, f"the kit should give part marks:\n{printed}"
+
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{released / 'gradebook.db'}") as gb:
+        graded = gb.find_submission(lab, "alice")
+        score, max_score = graded.score, graded.max_score
+    assert max_score == points["all_reduce_mean"]
+    assert score == pytest.approx(max_score * kit_points / kit_max), (
+        f"nbgrader recorded {score}/{max_score}, the kit's grader gives {kit_points}/{kit_max}")
