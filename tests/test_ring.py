@@ -322,6 +322,6 @@ def test_bench_cli(tmp_path, capsys):
     assert ring_bench.main(["-b", "16K", "-e", "64K", "--rounds", "1", "--pieces", "8K",
                             "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "16 KiB" in out and "64 KiB" in out and "reference ring, 8.0 KiB pieces" in out
+    assert "16 KiB" in out and "64 KiB" in out and "reference ring, 8 KiB pieces" in out
     assert (tmp_path / "ring_bench.png").stat().st_size > 0
-    assert '"reference ring, 8.0 KiB pieces"' in (tmp_path / "ring_bench.json").read_text()
+    assert '"reference ring, 8 KiB pieces"' in (tmp_path / "ring_bench.json").read_text()

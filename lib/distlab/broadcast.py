@@ -36,8 +36,10 @@ def pipelined_broadcast(tensor: torch.Tensor, src: int, num_chunks: int,
     forward chunk i-1 and receive chunk i. So its calls are issued in pipeline order,
     which NCCL needs: there a rank's calls run in order on one stream, and a rank that
     posted every receive before its first send would forward nothing until the whole
-    tensor had arrived. Waiting for a step's calls before the next (to forward chunk i,
-    it must have arrived) blocks the host on gloo; on NCCL it only orders streams."""
+    tensor had arrived. Waiting for a step's calls before the next (to forward chunk
+    i-1, it must have arrived) blocks the host on gloo; on NCCL it only orders streams.
+    The two ends of the chain only send or only receive, so they post everything at
+    once."""
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive integer, got {num_chunks!r}")
     if group is not None and dist.get_rank(group) < 0:
@@ -53,17 +55,21 @@ def pipelined_broadcast(tensor: torch.Tensor, src: int, num_chunks: int,
     pos = (ranks.index(dist.get_rank()) - start) % k  # place in the chain
     prev, succ = ranks[(start + pos - 1) % k], ranks[(start + pos + 1) % k]
     chunks = [c for c in torch.tensor_split(tensor.view(-1), num_chunks) if c.numel()]
-    works = []
-    for i in range(len(chunks) + 1):
-        # the root sends chunk i at step i, the others forward chunk i-1; the last, none
-        out = None if pos == k - 1 else i if pos == 0 else i - 1
-        ops = ([dist.P2POp(dist.isend, chunks[out], succ, group)]
-               if out is not None and 0 <= out < len(chunks) else [])
-        if pos > 0 and i < len(chunks):
-            ops.append(dist.P2POp(dist.irecv, chunks[i], prev, group))
-        for work in works:  # the previous step's: chunk i-1 is here
-            work.wait()
-        works = dist.batch_isend_irecv(ops) if ops else []
+    if k == 1:
+        return tensor
+    if pos == 0:          # the source: every chunk out, in order
+        works = [dist.isend(c, succ, group) for c in chunks]
+    elif pos == k - 1:    # the end of the chain: every chunk in, in order
+        works = [dist.irecv(c, prev, group) for c in chunks]
+    else:                 # in between, step i: forward chunk i-1, receive chunk i
+        works = []
+        for i in range(len(chunks) + 1):
+            ops = [dist.P2POp(dist.isend, chunks[i - 1], succ, group)] if i else []
+            if i < len(chunks):
+                ops.append(dist.P2POp(dist.irecv, chunks[i], prev, group))
+            for work in works:  # the previous step's: chunk i-1 is here
+                work.wait()
+            works = dist.batch_isend_irecv(ops)
     for work in works:
         work.wait()
     return tensor

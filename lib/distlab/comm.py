@@ -291,17 +291,18 @@ def _peer(op: str, a: dict, group) -> int | None:
 
 
 def _trace(name: str, fn):
-    sig = inspect.signature(fn)
+    names = tuple(inspect.signature(fn).parameters)  # bound by hand: inspect's bind is slow
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
         if _state.depth or not (_logs or _status):
             return fn(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = dict(zip(names, args), **kwargs)
         group = a.get("group")
-        nbytes, dtype = _bytes_of(name, a)
+        try:
+            nbytes, dtype = _bytes_of(name, a)
+        except (KeyError, AttributeError):  # a call torch itself will refuse, with its words
+            return fn(*args, **kwargs)
         event = CommEvent(
             op=name, nbytes=nbytes, dtype=dtype, rank=dist.get_rank(),
             peer=_peer(name, a, group), group_size=dist.get_world_size(group),

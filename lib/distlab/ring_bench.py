@@ -29,7 +29,7 @@ from distlab import backend as backends
 from distlab import launch, ring
 from distlab import comm
 from distlab.bench import parse_size, sizes, time_op
-from distlab.comm import bus_factor, human_bytes, size_label
+from distlab.comm import bus_factor, size_label
 
 OPS = ("all_reduce", "reduce_scatter")
 DEFAULT_SIZES = tuple(1 << k for k in range(16, 27, 2))  # 64 KiB .. 64 MiB
@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     for text in filter(None, a.pieces.split(",")):
         if a.op != "all_reduce":
             p.error("--pieces compares piece sizes of the ring all-reduce (--op all_reduce)")
-        contenders[f"reference ring, {human_bytes(parse_size(text))} pieces"] = \
+        contenders[f"reference ring, {size_label(parse_size(text))} pieces"] = \
             functools.partial(ring_bench.ring_with_pieces, parse_size(text))
     result = ring_bench.measure(a.op, sizes(a.min_bytes, a.max_bytes, a.factor), a.world_size,
                                 a.backend, a.rounds, a.dtype, contenders, iters=a.iters)

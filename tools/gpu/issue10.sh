@@ -3,14 +3,17 @@
 #   1. nccl-tests' six *_perf binaries, 8 B .. 1 GiB (if built in /tmp/nt by .ncclt/build.sh);
 #   2. python -m distlab.bench at 2 NCCL ranks, the same sizes, side by side with (1),
 #      back to back as nccl-tests times, then again in a CUDA graph (no host cost per call);
+#   2b. the same at one NCCL rank, 4 KiB .. 1 GiB (what lab 01 explains);
 #   3. python -m distlab.ring_bench: the reference ring against NCCL's all_reduce, busbw,
 #      64 MiB .. 1 GiB, with other piece sizes beside the default;
 #   4. the ring's correctness at world size 2, 1 B .. 1 GiB, odd lengths;
 #   5. the multigpu tests of the ring and the bench.
 # Everything lands in $OUT (default /tmp/issue10): *.txt logs, JSON and PNG figures.
+# tools/gpu/prelude.sh (wheels, environment, nccl-tests build) is sourced first.
 set -u
 OUT=${OUT:-/tmp/issue10}
-PY=${PY:-python}
+PY=${PY:-python3}
+[ -f tools/gpu/prelude.sh ] && source tools/gpu/prelude.sh
 export PYTHONPATH="$PWD/lib${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
@@ -36,9 +39,15 @@ step "distlab.bench, 2 NCCL ranks, back to back"
 timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" ${REF[@]+"${REF[@]}"} \
   --out "$OUT/bench" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench.txt"
 
-step "distlab.bench, 2 NCCL ranks, in a CUDA graph"
-timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" --graph --each 0 \
-  ${REF[@]+"${REF[@]}"} --out "$OUT/bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-graph.txt"
+if [ "${GRAPH:-1}" = 1 ]; then  # GRAPH=0 skips it (saves about a minute)
+  step "distlab.bench, 2 NCCL ranks, in a CUDA graph"
+  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" --graph --each 0 \
+    ${REF[@]+"${REF[@]}"} --out "$OUT/bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-graph.txt"
+fi
+
+step "distlab.bench, 1 NCCL rank (lab 01: what a one-rank bench times)"
+timeout 120 $PY -m distlab.bench -n 1 --backend nccl -b 4K -e 1G -f 4 --out "$OUT/bench-1" \
+  2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-1.txt"
 
 step "distlab.ring_bench: reference ring vs NCCL all_reduce, 64 MiB .. 1 GiB"
 timeout 240 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \

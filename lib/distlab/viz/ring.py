@@ -191,7 +191,8 @@ def plot_bench(result, ax=None):
             ax2.plot(result.sizes, ratio, marker="o", label=name, color=colour[name])
         ax2.axhline(1.0, color=colour["backend"], linestyle="--", linewidth=1, label="backend")
         ax2.set_ylabel(f"busbw / backend's {result.op}")
-        ax2.set_ylim(bottom=0)
+        top = max(max(r) for r in result.ratio.values()) if result.ratio else 1.0
+        ax2.set_ylim(0, max(1.3, 1.1 * top))  # room above the backend's line for the legend
         axes.append(ax2)
     for a in axes:
         a.set_xscale("log", base=2)
