@@ -1,0 +1,18 @@
+"""Pipeline parallelism: the model cut by layer into stages, one per rank, and
+micro-batches flowing through them on a schedule (GPipe, 1F1B).
+
+* :mod:`~distlab.pp.split`: the cut, balanced by FLOPs; tied weights across stages;
+* :mod:`~distlab.pp.schedule`: schedule tables, their check, the ideal clock, the bubble;
+* :mod:`~distlab.pp.p2p`: activations and gradients between stages, NCCL-safe groups;
+* :mod:`~distlab.pp.runtime`: one stage's training step, driven by a table;
+* :mod:`~distlab.pp.timeline`: what each stage did and when; the measured bubble.
+"""
+from distlab.pp.runtime import PipelineRunner, cross_entropy
+from distlab.pp.schedule import (bubble_fraction, check_schedule, gpipe_schedule,
+                                 one_f_one_b_schedule, peak_in_flight, schedule, simulate)
+from distlab.pp.split import Stage, balance, layer_costs
+from distlab.pp.timeline import idle_fraction, peak_live
+
+__all__ = ["PipelineRunner", "Stage", "balance", "bubble_fraction", "check_schedule",
+           "cross_entropy", "gpipe_schedule", "idle_fraction", "layer_costs",
+           "one_f_one_b_schedule", "peak_in_flight", "peak_live", "schedule", "simulate"]
