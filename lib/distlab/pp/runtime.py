@@ -25,6 +25,7 @@ with the number of micro-batches whose activations it holds after each action.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -131,8 +132,8 @@ class PipelineRunner:
                     time.sleep(max(0.0, self.pad_to[kind == "B"] - (time.perf_counter() - start)))
                 event["live"] = len(saved)
             self._transfer(timeline, sends, incoming(k + 1))
+        sum_tied_gradients(self.stage, self.link, timeline)
         self.link.finish()
-        self._sum_tied_gradients(timeline)
         self.timeline = timeline.finish()
         return total if s.is_last else None
 
@@ -145,17 +146,21 @@ class PipelineRunner:
         with timeline.record("comm", what=", ".join(what)):
             self.link.exchange(sends, recvs)
 
-    def _sum_tied_gradients(self, timeline: Timeline) -> None:
-        """Each tied parameter's gradient becomes the sum over the stages holding it,
-        added in stage order on every one of them (so the copies stay identical)."""
-        for name, holders in sorted(self.stage.tied.items()):
-            param = self.stage.module.get_parameter(name)
-            if not param.requires_grad:
-                continue
-            mine = param.grad if param.grad is not None else torch.zeros_like(param)
-            others = [h for h in holders if h != self.stage.index]
-            buffers = {h: torch.empty_like(mine) for h in others}
-            with timeline.record("comm", what=f"sum the gradient of {name} with stages {others}"):
-                self.link.exchange([(mine, h) for h in others], [(buffers[h], h) for h in others])
-            buffers[self.stage.index] = mine
-            param.grad = sum(buffers[h] for h in holders)
+
+def sum_tied_gradients(stage: Stage, link: StageLink, timeline: Timeline | None = None) -> None:
+    """Each tied parameter's gradient (:attr:`Stage.tied`) becomes the sum over the
+    stages holding it, added in stage order on every one of them, so the copies stay
+    identical (Megatron-LM's all-reduce in the embedding group, here one grouped
+    exchange between the holders)."""
+    for name, holders in sorted(stage.tied.items()):
+        param = stage.module.get_parameter(name)
+        if not param.requires_grad:
+            continue
+        mine = param.grad if param.grad is not None else torch.zeros_like(param)
+        others = [h for h in holders if h != stage.index]
+        got = {h: torch.empty_like(mine) for h in others}
+        what = f"sum the gradient of {name} with stages {others}"
+        with timeline.record("comm", what=what) if timeline else contextlib.nullcontext():
+            link.exchange([(mine, h) for h in others], [(got[h], h) for h in others])
+        got[stage.index] = mine
+        param.grad = sum(got[h] for h in holders)

@@ -54,7 +54,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tu
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
 
 
-def schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+def build_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
     """The table of schedule ``name`` ("gpipe" or "1f1b")."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
@@ -148,7 +148,7 @@ def _play(table, tf: float, tb: float) -> tuple[list[dict], str | None]:
     B(s+1, i). Returns the events and, when stuck, what each stuck stage waits for."""
     p = len(table)
     done: dict[tuple[str, int, int], float] = {}
-    nxt, free, events = [0] * p, [0.0] * p, []
+    nxt, free, live, events = [0] * p, [0.0] * p, [0] * p, []
     while True:
         progress = False
         for s in range(p):
@@ -163,7 +163,9 @@ def _play(table, tf: float, tb: float) -> tuple[list[dict], str | None]:
                     break
                 start = max(free[s], ready)
                 free[s] = done[(kind, s, i)] = start + (tf if kind == "F" else tb)
-                events.append({"stage": s, "kind": kind, "mb": i, "start": start, "end": free[s]})
+                live[s] += 1 if kind == "F" else -1
+                events.append({"stage": s, "kind": kind, "mb": i, "start": start,
+                               "end": free[s], "live": live[s]})
                 nxt[s] += 1
                 progress = True
         if all(nxt[s] == len(table[s]) for s in range(p)):

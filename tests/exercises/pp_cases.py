@@ -1,0 +1,167 @@
+"""What the two schedule exercises of lab 07 are tested on.
+
+The student's function is called here, in the test process (a pure function of two
+ints); its table is checked here against the library's reference (distlab.pp.schedule)
+and then executed, as plain data, by the library's runtime on gloo ranks, whose
+losses, weights and CommLogs come back to be checked here.
+"""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab import launch, pp
+from distlab.comm import CommLog
+from distlab.data import NGramLanguage
+from distlab.grading import expect_close
+from distlab.model import GPT, config
+from distlab.p2p_check import nccl_deadlock
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
+
+GRID = [(p, m) for p in range(1, 6) for m in range(1, 9)]
+RUNS = [(2, 3), (4, 3)]  # executed: m not a multiple of p, and m < p
+TIMEOUT = 45
+VOCAB, BATCH, SEQ, STEPS, LR = 13, 6, 8, 2, 0.5
+LANG = NGramLanguage(VOCAB, 3, seed=0)
+CFG = config("test", vocab_size=VOCAB, n_layer=2)
+
+
+def table_of(fn, p, m):
+    """The student's table for (p, m), with a plain-words error if the call fails."""
+    try:
+        return fn(p, m)
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        raise AssertionError(f"{fn.__name__}({p}, {m}) raised {type(exc).__name__}: {exc}") from exc
+
+
+def as_actions(table):
+    """The table as lists of (kind, micro-batch) tuples (lists of two also accepted)."""
+    return [[tuple(a) if isinstance(a, (list, tuple)) else a for a in row] for row in table]
+
+
+def first_difference(got, want, name, p, m) -> str | None:
+    if len(got) != len(want):
+        return f"{name}({p}, {m}) has {len(got)} rows; one row per stage, {p} in all"
+    for s, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            k = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+            show = lambda row: " ".join(f"{a[0]}{a[1]}" if isinstance(a, tuple) and len(a) == 2
+                                        else repr(a) for a in row)
+            return (f"{name}({p}, {m}), stage {s}: {show(g)}; expected {show(w)} (first "
+                    f"difference at position {k})")
+    return None
+
+
+def check_format(fn, name):
+    for p, m in GRID:
+        table = table_of(fn, p, m)
+        assert isinstance(table, (list, tuple)) and len(table) == p, (
+            f"{name}({p}, {m}) should return a list of {p} lists (one per stage), got "
+            f"{type(table).__name__}" + (f" of length {len(table)}"
+                                         if isinstance(table, (list, tuple)) else ""))
+        for s, row in enumerate(table):
+            bad = [a for a in row if not (isinstance(a, tuple) and len(a) == 2 and
+                                          a[0] in ("F", "B") and type(a[1]) is int)]
+            assert not bad, (f"{name}({p}, {m}), stage {s}: {bad[0]!r} is not an action; "
+                             f"an action is a tuple (\"F\", i) or (\"B\", i) with i an int")
+
+
+def check_each_once_forward_first(fn, name):
+    for p, m in GRID:
+        table = as_actions(table_of(fn, p, m))
+        for s, row in enumerate(table):
+            for i in range(m):
+                for kind in ("F", "B"):
+                    n = row.count((kind, i))
+                    assert n == 1, (f"{name}({p}, {m}), stage {s} runs {kind}{i} {n} times; "
+                                    f"every stage runs the forward and the backward of each of "
+                                    f"the {m} micro-batches exactly once")
+                assert row.index(("F", i)) < row.index(("B", i)), (
+                    f"{name}({p}, {m}), stage {s} runs B{i} before F{i}: a backward needs "
+                    f"the activations its forward saved")
+            assert len(row) == 2 * m, (f"{name}({p}, {m}), stage {s} has {len(row)} actions; "
+                                       f"{m} micro-batches make {2 * m}")
+
+
+def check_dependencies(fn, name):
+    for p, m in GRID:
+        problem = pp.check_schedule(as_actions(table_of(fn, p, m)), p, m)
+        assert problem is None, f"{name}({p}, {m}) cannot run: {problem}"
+
+
+def check_order(fn, name, reference):
+    for p, m in GRID:
+        problem = first_difference(as_actions(table_of(fn, p, m)), reference(p, m), name, p, m)
+        assert problem is None, problem
+
+
+def check_bad_sizes(fn, name):
+    for args in ((0, 4), (2, 0), (-1, 3)):
+        with pytest.raises(ValueError):
+            fn(*args)
+
+
+# ------------------------------------------------------- executing a table for real
+
+
+def make_model():
+    torch.manual_seed(0)
+    return GPT(CFG)
+
+
+def sgd(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.grad is not None:
+                p -= LR * p.grad
+                p.grad = None
+
+
+def execute(table):
+    """The library's runtime runs ``table`` as it is (no check first: a table that
+    cannot run hangs until the launch's timeout). Plain data back."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = pp.Stage(make_model(), rank, world)
+    runner = pp.PipelineRunner(stage, table, check=False)
+    losses = []
+    with CommLog() as log:
+        for step in range(STEPS):
+            loss = runner.step(*LANG.batch(step, BATCH, SEQ))
+            sgd(stage)
+            losses.append(None if loss is None else loss.item())
+    return {"losses": losses, "log": log.records(),
+            "params": {n: p.detach().clone()
+                       for n, p in stage.module.named_parameters(remove_duplicate=False)}}
+
+
+def one_process():
+    model = make_model()
+    losses = []
+    for step in range(STEPS):
+        x, y = LANG.batch(step, BATCH, SEQ)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        sgd(model)
+        losses.append(loss.item())
+    return losses, dict(model.named_parameters(remove_duplicate=False))
+
+
+def check_execution(fn, name, p, m):
+    table = as_actions(table_of(fn, p, m))
+    out = launch.run(execute, p, table, backend="gloo", timeout=TIMEOUT)
+    want_losses, want = one_process()
+    expect_close(torch.tensor(out[-1]["losses"]), torch.tensor(want_losses),
+                 f"{name}({p}, {m}) run by the pipeline runtime: the loss of each of {STEPS} "
+                 f"SGD steps, against one process on the whole batch", rtol=1e-5, atol=1e-6)
+    for s, r in enumerate(out):
+        for n, value in r["params"].items():
+            expect_close(value, want[n], f"{name}({p}, {m}) run by the pipeline runtime, stage "
+                         f"{s}: {n} after {STEPS} SGD steps", rtol=1e-5, atol=1e-6)
+    problem = nccl_deadlock([r["log"] for r in out])
+    assert problem is None, f"{name}({p}, {m}) ran on gloo but would hang on NCCL: {problem}"
