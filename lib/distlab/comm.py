@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import threading
 import time
 
@@ -72,6 +73,8 @@ class CommEvent:
     async_op: bool
     start: float              # time.perf_counter() on this rank
     end: float | None = None  # None while an async op is still in flight
+    batch: int | None = None  # P2P ops of one batch_isend_irecv share an id (unique per
+                              # rank); None for a call of its own
 
     @property
     def seconds(self) -> float | None:
@@ -187,6 +190,10 @@ class _State(threading.local):
     def __init__(self):
         self.logs: list[CommLog] = []
         self.depth = 0
+        self.batch: int | None = None  # id of the batch_isend_irecv under way
+
+
+_batch_ids = itertools.count(1)
 
 
 _state = _State()
@@ -268,7 +275,7 @@ def _trace(name: str, fn):
             peer=_peer(name, a, group), group_size=dist.get_world_size(group),
             group_ranks=tuple(dist.get_process_group_ranks(group or c10d._get_default_group())),
             async_op=bool(a.get("async_op")) or name in ("isend", "irecv"),
-            start=time.perf_counter())
+            start=time.perf_counter(), batch=_state.batch if name in P2P else None)
         if _status:
             _status.post(f"in {event.describe()} since {time.time():.3f}")
         _state.depth += 1
@@ -287,6 +294,25 @@ def _trace(name: str, fn):
         for log in _state.logs:
             log.events.append(event)
         return result
+
+    traced.__distlab_traced__ = fn
+    return traced
+
+
+def _trace_batch(fn):
+    """``batch_isend_irecv`` issues each of its ops through ``P2POp.op`` (the traced
+    ``isend``/``irecv``), on every backend and torch version; the ops it issues carry
+    one batch id, so that a log tells a batch (one NCCL group) from single calls."""
+
+    @functools.wraps(fn)
+    def traced(p2p_op_list):
+        if _state.batch is not None:
+            return fn(p2p_op_list)
+        _state.batch = next(_batch_ids)
+        try:
+            return fn(p2p_op_list)
+        finally:
+            _state.batch = None
 
     traced.__distlab_traced__ = fn
     return traced
@@ -331,6 +357,9 @@ def install() -> None:
         traced = _trace(_RENAMED.get(name, name), getattr(original, "__distlab_traced__", original))
         setattr(c10d, name, traced)
         setattr(dist, name, traced)
+    batched = _trace_batch(getattr(c10d.batch_isend_irecv, "__distlab_traced__",
+                                   c10d.batch_isend_irecv))
+    c10d.batch_isend_irecv = dist.batch_isend_irecv = batched
     _installed = True
 
 

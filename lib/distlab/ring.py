@@ -38,6 +38,7 @@ from distlab.comm import CommLog
 
 PIECE_BYTES = 4 << 20  # pieces of a chunk that are pipelined; each message costs ~α
 LOOKAHEAD = 4          # receives posted ahead of the one being reduced
+GROUPED = None         # batch the calls as on NCCL (True), one by one (False), or by backend
 
 
 def chunks(tensor: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
@@ -131,7 +132,7 @@ class _Ring:
         self.next = ranks[(self.rank + 1) % self.size]   # global ranks, as send/recv want
         self.prev = ranks[(self.rank - 1) % self.size]
         self.lookahead = lookahead or LOOKAHEAD
-        self.grouped = dist.get_backend(group) == "nccl"
+        self.grouped = dist.get_backend(group) == "nccl" if GROUPED is None else GROUPED
 
     def start(self, sends, recvs) -> tuple[list, list[list]]:
         """Start sends to the next rank and receives from the previous one. Returns the
