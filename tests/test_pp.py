@@ -24,6 +24,7 @@ from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
+from distlab.p2p_check import nccl_deadlock
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
@@ -280,11 +281,11 @@ def test_only_point_to_point_traffic_of_the_right_size(world, name, m):
                 want[world - 1 - s] = want.get(world - 1 - s, []) + [tied]
             assert {k: sorted(v) for k, v in sent.items()} == \
                 {k: sorted(v) for k, v in want.items()}, f"stage {s}"
+            assert all(e.batch is not None for e in log.events), "every transfer in a batch"
 
 
 @pytest.mark.parametrize("world, name, m", [c for c in CASES if c[0] > 1])
 def test_the_transfers_obey_nccl_rules(world, name, m):
-    from distlab.p2p_check import nccl_deadlock
     out = run(world)[(name, m)]
     for step in range(STEPS):
         problem = nccl_deadlock([r["logs"][step] for r in out])
@@ -295,7 +296,6 @@ def test_the_transfers_obey_nccl_rules(world, name, m):
 def test_separate_sends_and_receives_are_flagged(world):
     """The same 1F1B step with each transfer on its own, sends first: it runs on gloo
     (the losses are right) but NCCL would hang, and the checker says so."""
-    from distlab.p2p_check import nccl_deadlock
     out = run(world)["separate"]
     assert out[-1]["losses"] == run(world)[("1f1b", MICROBATCHES[world][0])][-1]["losses"]
     problem = nccl_deadlock([r["logs"][0] for r in out])

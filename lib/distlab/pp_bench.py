@@ -23,20 +23,17 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+from distlab import backend, launch, pp
+from distlab.model import GPT, PRESETS, config
+from distlab.throughput import DTYPES
 
 
 def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[int],
             schedules: list[str], steps: int, warmup: int) -> list[dict]:
     """On each rank (one stage each): every (schedule, m), trained ``warmup + steps``
     steps. Returns one row per configuration with this stage's figures."""
-    import torch.distributed as dist
-
-    from distlab import backend, launch, pp
-    from distlab.model import GPT
-    from distlab.throughput import DTYPES
-
     rank, world = dist.get_rank(), dist.get_world_size()
     device = backend.device()
     cuda = device.type == "cuda"
@@ -79,8 +76,6 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
 
 def summarise(per_rank: list[list[dict]], batch_size: int, seq_len: int) -> list[dict]:
     """One row per (schedule, m) from every stage's rows."""
-    from distlab import pp
-
     p = len(per_rank)
     out = []
     for i, first in enumerate(per_rank[0]):
@@ -105,7 +100,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         mem = ("n/a (no GPU)" if r["peak_gib"][0] is None else
                " ".join(f"{g:.2f}" for g in r["peak_gib"]))
-        lines.append(f"{SCHEDULE_NAMES[r['schedule']]:>8} {r['m']:>3} {r['step_ms']:8.1f} "
+        lines.append(f"{pp.TITLES[r['schedule']]:>8} {r['m']:>3} {r['step_ms']:8.1f} "
                      f"{r['tokens_per_s']:10,.0f} {r['idle']:6.1%} {r['formula']:7.1%}  "
                      f"{str(r['peak_live']):<20} {mem}")
     return "\n".join(lines)
@@ -119,7 +114,7 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
     from distlab.viz.pipeline import compare_figure, plot_bubble
 
     written = []
-    fig = plot_bubble([{"label": f"{SCHEDULE_NAMES[r['schedule']]} measured", "m": r["m"],
+    fig = plot_bubble([{"label": f"{pp.TITLES[r['schedule']]} measured", "m": r["m"],
                         "p": r["p"], "idle": r["idle"]} for r in rows], title=title)
     written.append(out / "pp_bubble.png")
     fig.savefig(written[-1], dpi=120, bbox_inches="tight")
@@ -131,7 +126,7 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
             for s in range(rows[0]["p"]):
                 ax.plot([r["m"] for r in mine], [r["peak_gib"][s] for r in mine], "o-",
                         ls="-" if name == "gpipe" else "--",
-                        label=f"{SCHEDULE_NAMES[name]}, stage {s}")
+                        label=f"{pp.TITLES[name]}, stage {s}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("micro-batches m (same global batch)")
         ax.set_ylabel("peak memory (GiB)")
@@ -143,7 +138,7 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
         plt.close(fig)
     ms = sorted({r["m"] for r in rows})
     middle = ms[len(ms) // 2]
-    panels = {f"{SCHEDULE_NAMES[r['schedule']]}, p={r['p']}, m={r['m']}": (r["timeline"], "ms")
+    panels = {f"{pp.TITLES[r['schedule']]}, p={r['p']}, m={r['m']}": (r["timeline"], "ms")
               for r in rows if r["m"] == middle}
     written.append(out / "pp_gantt.png")
     compare_figure(panels, columns=1).savefig(written[-1], dpi=120, bbox_inches="tight")
@@ -151,10 +146,6 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
 
 
 def main(argv=None) -> int:
-    from distlab import backend, launch
-    from distlab.model import PRESETS, config
-    from distlab.throughput import DTYPES
-
     p = argparse.ArgumentParser(prog="python -m distlab.pp_bench", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNGs")

@@ -34,10 +34,10 @@ def test_warm_up_forwards(student):
             warmup = min(p - s - 1, m)
             want = min(warmup + 1, m)
             assert first_b == want, (
-                f"one_f_one_b_schedule({p}, {m}), stage {s} runs {first_b} forwards before its "
-                f"first backward; stage s of p warms up with min(p-s-1, m) = {warmup} "
+                f"one_f_one_b_schedule({p}, {m}), stage {s} runs {first_b} forward"
+                f"{'s' * (first_b != 1)} before its first backward; stage s of p warms up with min(p-s-1, m) = {warmup} "
                 f"forwards, then runs one more forward and its first backward "
-                f"({want} forwards before B0)")
+                f"({want} forward{'s' * (want != 1)} before B0)")
 
 
 def test_steady_state_alternates(student):

@@ -8,12 +8,13 @@ micro-batches flowing through them on a schedule (GPipe, 1F1B).
 * :mod:`~distlab.pp.timeline`: what each stage did and when; the measured bubble.
 """
 from distlab.pp.runtime import PipelineRunner, cross_entropy
-from distlab.pp.schedule import (SCHEDULES, bubble_fraction, build_schedule, check_schedule,
-                                 gpipe_schedule, one_f_one_b_schedule, peak_in_flight, simulate)
+from distlab.pp.schedule import (SCHEDULES, TITLES, bubble_fraction, build_schedule,
+                                 check_schedule, gpipe_schedule, one_f_one_b_schedule,
+                                 peak_in_flight, simulate)
 from distlab.pp.split import Stage, balance, layer_costs
 from distlab.pp.timeline import idle_fraction, peak_live
 
-__all__ = ["SCHEDULES", "PipelineRunner", "Stage", "balance", "bubble_fraction",
+__all__ = ["SCHEDULES", "TITLES", "PipelineRunner", "Stage", "balance", "bubble_fraction",
            "build_schedule", "check_schedule", "cross_entropy", "gpipe_schedule",
            "idle_fraction", "layer_costs", "one_f_one_b_schedule", "peak_in_flight",
            "peak_live", "simulate"]

@@ -52,6 +52,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tu
 
 
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # the names to print
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
@@ -126,24 +127,27 @@ def check_schedule(table, num_stages: int | None = None,
                         f"(its {kind}s) but stage {dst} runs its {kind}s in the order {taken}: "
                         f"between two ranks messages arrive in the order they were sent, so "
                         f"both must handle the micro-batches in the same order")
-    _, stuck = _play(table, 1.0, 1.0)
+    _, stuck = _play(table, 1.0, 1.0, 0.0)
     return stuck
 
 
-def simulate(table, forward_time: float = 1.0, backward_time: float = 2.0) -> list[dict]:
+def simulate(table, forward_time: float = 1.0, backward_time: float = 2.0,
+             transfer_time: float = 0.0) -> list[dict]:
     """Play a table on an ideal clock: every forward takes ``forward_time``, every
-    backward ``backward_time``, messages are free, and each action starts as soon as
-    its stage is free and its input has arrived. Returns the timeline as events
+    backward ``backward_time``, every message between stages ``transfer_time`` (free by
+    default: the sender waits for it to leave, as in the runtime's grouped transfers,
+    and the receiver for it to arrive), and each action starts as soon as its stage is
+    free and its input has arrived. Returns the timeline as events
     ``{"stage", "kind", "mb", "start", "end"}`` (the format of
     :mod:`distlab.pp.timeline`); raises ValueError when the table cannot run."""
     problem = check_schedule(table)
     if problem:
         raise ValueError(f"this schedule cannot run: {problem}")
-    events, _ = _play(table, forward_time, backward_time)
+    events, _ = _play(table, forward_time, backward_time, transfer_time)
     return events
 
 
-def _play(table, tf: float, tb: float) -> tuple[list[dict], str | None]:
+def _play(table, tf: float, tb: float, tc: float) -> tuple[list[dict], str | None]:
     """Run every stage's list in order; F(s, i) waits for F(s-1, i), B(s, i) for
     B(s+1, i). Returns the events and, when stuck, what each stuck stage waits for."""
     p = len(table)
@@ -158,14 +162,16 @@ def _play(table, tf: float, tb: float) -> tuple[list[dict], str | None]:
                 if not 0 <= dep[1] < p:
                     ready = 0.0
                 elif dep in done:
-                    ready = done[dep]
+                    ready = done[dep] + tc
                 else:
                     break
                 start = max(free[s], ready)
-                free[s] = done[(kind, s, i)] = start + (tf if kind == "F" else tb)
+                done[(kind, s, i)] = start + (tf if kind == "F" else tb)
+                sends = 0 <= (s + 1 if kind == "F" else s - 1) < p
+                free[s] = done[(kind, s, i)] + (tc if sends else 0.0)
                 live[s] += 1 if kind == "F" else -1
                 events.append({"stage": s, "kind": kind, "mb": i, "start": start,
-                               "end": free[s], "live": live[s]})
+                               "end": done[(kind, s, i)], "live": live[s]})
                 nxt[s] += 1
                 progress = True
         if all(nxt[s] == len(table[s]) for s in range(p)):

@@ -18,23 +18,38 @@ from distlab.pp.timeline import compute_events, idle_fraction, peak_live
 from distlab.viz.ring import _png
 
 
+def _figure(ax, size):
+    """``ax``'s figure, or a new one, closed so that a notebook shows it once: as the
+    value the plotting function returns."""
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = plt.subplots(figsize=size)
+    plt.close(fig)
+    return fig, ax
+
+
 def _colour(mb: int):
     return matplotlib.colormaps["tab20"](((2 * mb) % 20 + (mb // 10) % 2) / 20)
 
 
 def plot_gantt(events: list[dict], ax=None, title: str = "", unit: str = "ms",
                num_stages: int | None = None):
-    """A Gantt chart of ``events`` on ``ax``. ``unit``: "ms" shows times in
-    milliseconds from the first event; "" leaves them as they are (ideal time units).
-    The title gets the idle fraction and each stage's peak of live micro-batches."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 2.8))
+    """A Gantt chart of ``events`` on ``ax`` (a new figure when None). ``unit``: "ms"
+    shows times in milliseconds from the first forward; "" leaves them as they are
+    (ideal time units). The title gets the idle fraction and each stage's peak of live
+    micro-batches. Transfers before the first forward or after the last backward (a
+    stage waiting for its first input, or for the tied gradient) are cut off."""
+    fig, ax = _figure(ax, (9, 2.8))
     work = compute_events(events)
     p = num_stages or 1 + max(e["stage"] for e in work)
     scale = 1e3 if unit == "ms" else 1.0
-    t0 = min(e["start"] for e in events)
+    t0 = min(e["start"] for e in work)
     span = (max(e["end"] for e in work) - t0) * scale
     for e in events:
-        x, w = (e["start"] - t0) * scale, (e["end"] - e["start"]) * scale
+        x = max(0.0, (e["start"] - t0) * scale)
+        w = (e["end"] - t0) * scale - x
+        if w <= 0:
+            continue
         y = e["stage"]
         if e["kind"] == "comm":
             ax.barh(y + 0.36, w, left=x, height=0.1, color="0.55", linewidth=0)
@@ -60,9 +75,9 @@ def plot_gantt(events: list[dict], ax=None, title: str = "", unit: str = "ms",
 def plot_live(events: list[dict], ax=None, unit: str = "ms", title: str = ""):
     """Micro-batches whose activations each stage holds, over time (a step line per
     stage): what a stage's activation memory follows."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 2.4))
+    fig, ax = _figure(ax, (9, 2.4))
     scale = 1e3 if unit == "ms" else 1.0
-    t0 = min(e["start"] for e in events)
+    t0 = min(e["start"] for e in compute_events(events))
     for s in sorted({e["stage"] for e in events if "live" in e}):
         mine = [e for e in events if e["stage"] == s and "live" in e]
         times = [0.0] + [(e["end"] - t0) * scale for e in mine]
@@ -95,7 +110,7 @@ def plot_bubble(rows: list[dict], title: str = "", ax=None):
     """Idle fraction against the number of micro-batches m: ``rows`` of ``{"label",
     "m", "idle"}``, one line per label, and the formula (p-1)/(m+p-1) for each p in
     ``{"p"}`` of the rows (dashed)."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6.5, 4))
+    fig, ax = _figure(ax, (6.5, 4))
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = sorted((r for r in rows if r["label"] == label), key=lambda r: r["m"])
         ax.plot([r["m"] for r in mine], [100 * r["idle"] for r in mine], "o-", ms=4, label=label)
@@ -147,7 +162,8 @@ class PipelineExplorer(widgets.VBox):
 
     def show(self) -> None:
         name, p, m = self.schedule.value, self.p.value, self.m.value
-        self.image.value = _png(self.figure())
+        self._picture = _png(self.figure())  # also the static fallback
+        self.image.value = self._picture
         self.label.value = (f"<b>{name}</b>, p = {p}, m = {m}: formula (p-1)/(m+p-1) = "
                             f"<b>{(p - 1) / (m + p - 1):.1%}</b> idle")
 
@@ -158,5 +174,5 @@ class PipelineExplorer(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs) or {}
         data["text/plain"] = repr(self)
-        data["image/png"] = _png(self.figure())
+        data["image/png"] = self._picture
         return data
