@@ -2,8 +2,8 @@
 
 The student's function is called here, in the test process (a pure function of two
 ints); its table is checked here against the library's reference (distlab.pp.schedule)
-and then executed, as plain data, by the library's runtime on gloo ranks, whose
-losses, weights and CommLogs come back to be checked here.
+and then executed, as plain data, by the library's runtime on gloo ranks beside the
+reference table; the losses, weights and CommLogs come back to be checked here.
 """
 import sys
 
@@ -11,7 +11,6 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from distlab import launch, pp
 from distlab.comm import CommLog
@@ -110,11 +109,6 @@ def check_bad_sizes(fn, name):
 # ------------------------------------------------------- executing a table for real
 
 
-def make_model():
-    torch.manual_seed(0)
-    return GPT(CFG)
-
-
 def sgd(module):
     with torch.no_grad():
         for p in module.parameters():
@@ -123,45 +117,71 @@ def sgd(module):
                 p.grad = None
 
 
-def execute(table):
-    """The library's runtime runs ``table`` as it is (no check first: a table that
-    cannot run hangs until the launch's timeout). Plain data back."""
+def execute(tables):
+    """The library's runtime trains the GPT with each table as it is (no check first: a
+    table that cannot run hangs until the launch's timeout). Plain data back."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    stage = pp.Stage(make_model(), rank, world)
-    runner = pp.PipelineRunner(stage, table, check=False)
-    losses = []
-    with CommLog() as log:
-        for step in range(STEPS):
-            loss = runner.step(*LANG.batch(step, BATCH, SEQ))
-            sgd(stage)
-            losses.append(None if loss is None else loss.item())
-    return {"losses": losses, "log": log.records(),
-            "params": {n: p.detach().clone()
-                       for n, p in stage.module.named_parameters(remove_duplicate=False)}}
+    out = []
+    for table in tables:
+        torch.manual_seed(0)
+        stage = pp.Stage(GPT(CFG), rank, world)
+        runner = pp.PipelineRunner(stage, table, check=False)
+        losses = []
+        with CommLog() as log:
+            for step in range(STEPS):
+                loss = runner.step(*LANG.batch(step, BATCH, SEQ))
+                sgd(stage)
+                losses.append(None if loss is None else loss.item())
+        out.append({"losses": losses, "log": log.records(),
+                    "params": {n: p.detach().clone()
+                               for n, p in stage.module.named_parameters(remove_duplicate=False)}})
+    return out
 
 
-def one_process():
-    model = make_model()
-    losses = []
-    for step in range(STEPS):
-        x, y = LANG.batch(step, BATCH, SEQ)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        sgd(model)
-        losses.append(loss.item())
-    return losses, dict(model.named_parameters(remove_duplicate=False))
-
-
-def check_execution(fn, name, p, m):
+def check_execution(fn, name, p, m, reference):
+    """The student's table and the reference one, trained in the same launch: the same
+    losses and weights (the library's tests hold the reference to one process), and
+    transfers that NCCL would run."""
     table = as_actions(table_of(fn, p, m))
-    out = launch.run(execute, p, table, backend="gloo", timeout=TIMEOUT)
-    want_losses, want = one_process()
-    expect_close(torch.tensor(out[-1]["losses"]), torch.tensor(want_losses),
+    ranks = launch.run(execute, p, [table, reference(p, m)], backend="gloo", timeout=TIMEOUT)
+    (got, want) = ([r[k] for r in ranks] for k in (0, 1))
+    expect_close(torch.tensor(got[-1]["losses"]), torch.tensor(want[-1]["losses"]),
                  f"{name}({p}, {m}) run by the pipeline runtime: the loss of each of {STEPS} "
-                 f"SGD steps, against one process on the whole batch", rtol=1e-5, atol=1e-6)
-    for s, r in enumerate(out):
-        for n, value in r["params"].items():
-            expect_close(value, want[n], f"{name}({p}, {m}) run by the pipeline runtime, stage "
-                         f"{s}: {n} after {STEPS} SGD steps", rtol=1e-5, atol=1e-6)
-    problem = nccl_deadlock([r["log"] for r in out])
+                 f"SGD steps, against the reference schedule", rtol=1e-5, atol=1e-6)
+    for s, (g, w) in enumerate(zip(got, want)):
+        for n, value in g["params"].items():
+            expect_close(value, w["params"][n], f"{name}({p}, {m}) run by the pipeline "
+                         f"runtime, stage {s}: {n} after {STEPS} SGD steps", rtol=1e-5, atol=1e-6)
+    problem = nccl_deadlock([r["log"] for r in got])
     assert problem is None, f"{name}({p}, {m}) ran on gloo but would hang on NCCL: {problem}"
+
+
+def make_tests(name, reference):
+    """The tests both schedule exercises have: format, each action once, a table that
+    can run, the exact order, bad sizes, and runs on 2 and 4 ranks."""
+    def student_fn(student):
+        return getattr(student, name)
+
+    def test_returns_one_list_of_actions_per_stage(student):
+        check_format(student_fn(student), name)
+
+    def test_every_micro_batch_forward_then_backward_once(student):
+        check_each_once_forward_first(student_fn(student), name)
+
+    def test_stages_agree_and_nothing_waits_forever(student):
+        check_dependencies(student_fn(student), name)
+
+    def test_exact_order(student):
+        check_order(student_fn(student), name, reference)
+
+    def test_bad_sizes_raise_value_error(student):
+        check_bad_sizes(student_fn(student), name)
+
+    @pytest.mark.parametrize("p, m", RUNS)
+    def test_runs_and_trains_like_the_reference(student, p, m):
+        check_execution(student_fn(student), name, p, m, reference)
+
+    return (test_returns_one_list_of_actions_per_stage,
+            test_every_micro_batch_forward_then_backward_once,
+            test_stages_agree_and_nothing_waits_forever, test_exact_order,
+            test_bad_sizes_raise_value_error, test_runs_and_trains_like_the_reference)

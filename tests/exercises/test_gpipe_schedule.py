@@ -3,27 +3,14 @@
 Per stage, the ordered list of actions: F0 ... F(m-1), then B0 ... B(m-1) (first in,
 first out, as torch's ScheduleGPipe). The cases and the execution are in pp_cases.py.
 """
-import pytest
-
 from distlab import pp
-from pp_cases import (GRID, RUNS, as_actions, check_bad_sizes, check_dependencies,
-                      check_each_once_forward_first, check_execution, check_format, check_order,
-                      table_of)
+from pp_cases import GRID, as_actions, make_tests, table_of
 
 NOTEBOOK = "07_pipeline_parallel"
 NAME = "gpipe_schedule"
-
-
-def test_returns_one_list_of_actions_per_stage(student):
-    check_format(student.gpipe_schedule, NAME)
-
-
-def test_every_micro_batch_forward_then_backward_once(student):
-    check_each_once_forward_first(student.gpipe_schedule, NAME)
-
-
-def test_stages_agree_and_nothing_waits_forever(student):
-    check_dependencies(student.gpipe_schedule, NAME)
+(test_returns_one_list_of_actions_per_stage, test_every_micro_batch_forward_then_backward_once,
+ test_stages_agree_and_nothing_waits_forever, test_exact_order, test_bad_sizes_raise_value_error,
+ test_runs_and_trains_like_the_reference) = make_tests(NAME, pp.gpipe_schedule)
 
 
 def test_all_forwards_before_the_first_backward(student):
@@ -44,10 +31,6 @@ def test_backwards_first_in_first_out(student):
                 f"GPipe here runs them first in, first out (B0 first), as torch's ScheduleGPipe")
 
 
-def test_exact_order(student):
-    check_order(student.gpipe_schedule, NAME, pp.gpipe_schedule)
-
-
 def test_holds_every_micro_batch_at_its_peak(student):
     for p, m in GRID:
         table = as_actions(table_of(student.gpipe_schedule, p, m))
@@ -55,12 +38,3 @@ def test_holds_every_micro_batch_at_its_peak(student):
         assert peaks == [m] * p, (
             f"gpipe_schedule({p}, {m}): the stages hold at most {peaks} micro-batches' "
             f"activations at once; GPipe holds all {m} on every stage before its first backward")
-
-
-def test_bad_sizes_raise_value_error(student):
-    check_bad_sizes(student.gpipe_schedule, NAME)
-
-
-@pytest.mark.parametrize("p, m", RUNS)
-def test_runs_and_trains_like_one_process(student, p, m):
-    check_execution(student.gpipe_schedule, NAME, p, m)

@@ -13,12 +13,13 @@ actions, ``("F", i)`` the forward of micro-batch ``i`` and ``("B", i)`` its back
   backwards left. Stage s never holds more than ``min(p-s, m)`` micro-batches.
 
 With the same forward time and the same backward time on every stage and free
-communication, both keep each stage idle for ``(p-1)/(m+p-1)`` of the step (GPipe,
-section 2.3): the *bubble*. :func:`simulate` plays a table on that ideal clock.
+communication, both keep each stage idle for ``(p-1)/(m+p-1)`` of the step (the
+*bubble* of the GPipe paper). :func:`simulate` plays a table on that ideal clock.
 """
 from __future__ import annotations
 
 KINDS = ("F", "B")
+Table = list[list[tuple[str, int]]]  # one row of actions per stage
 
 
 def _check_sizes(num_stages, num_microbatches) -> None:
@@ -27,7 +28,7 @@ def _check_sizes(num_stages, num_microbatches) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def gpipe_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
     """Per stage: F0 ... F(m-1), then B0 ... B(m-1)."""
     _check_sizes(num_stages, num_microbatches)
     m = num_microbatches
@@ -35,7 +36,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple[st
             for _ in range(num_stages)]
 
 
-def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
     """Per stage s: min(p-s-1, m) warm-up forwards, then one forward and one backward
     alternating, then the remaining backwards; micro-batches in increasing order."""
     _check_sizes(num_stages, num_microbatches)
@@ -55,7 +56,7 @@ SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # the names to print
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int) -> list[list[tuple[str, int]]]:
+def build_schedule(name: str, num_stages: int, num_microbatches: int) -> Table:
     """The table of schedule ``name`` ("gpipe" or "1f1b")."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
@@ -88,7 +89,8 @@ def check_schedule(table, num_stages: int | None = None,
     ranks messages arrive in the order they were sent; NCCL has no tags), and, by
     playing the table (:func:`simulate`), that no stage waits forever."""
     if not isinstance(table, (list, tuple)) or not all(isinstance(r, (list, tuple)) for r in table):
-        return f"a schedule is a list with one list of actions per stage, got {type(table).__name__}"
+        return (f"a schedule is a list with one list of actions per stage, got "
+                f"{type(table).__name__}")
     p = len(table) if num_stages is None else num_stages
     if len(table) != p:
         return f"the table has {len(table)} rows but there are {p} stages: one row per stage"
