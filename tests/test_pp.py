@@ -67,10 +67,10 @@ def one_process():
     return losses, dict(model.named_parameters(remove_duplicate=False))
 
 
-def train(name, m, grouped=True):
+def train(name, m, grouped=True, device="cpu"):
     """This rank's stage trained STEPS steps; plain data back."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    stage = pp.Stage(make_model(), rank, world)
+    stage = pp.Stage(make_model().to(device), rank, world)
     runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m), grouped=grouped)
     losses, logs = [], []
     for step in range(STEPS):
@@ -359,6 +359,33 @@ def wrong_ranks():
 def test_stage_s_must_run_on_rank_s():
     with pytest.raises(launch.RankError, match="stage s must run on rank s"):
         launch.run(wrong_ranks, 2, backend="gloo", timeout=60)
+
+
+def on_gpus():
+    from distlab import backend
+
+    return {(name, m): train(name, m, device=backend.device())
+            for name in ("gpipe", "1f1b") for m in (3, 4)}
+
+
+@pytest.mark.multigpu
+def test_two_nccl_stages_train_like_one_process():
+    """The GPU path: NCCL's grouped P2P, CUDA-event timelines; float32 on the GPUs
+    against one process on the CPU."""
+    want_losses, want = one_process()
+    ranks = launch.run(on_gpus, 2, backend="nccl", timeout=300)
+    for case in ranks[0]:
+        out = [r[case] for r in ranks]
+        expect_close(torch.tensor(out[-1]["losses"]), torch.tensor(want_losses),
+                     f"{case} on 2 GPUs: loss per step", rtol=1e-4, atol=1e-5)
+        for rank, r in enumerate(out):
+            for name, value in r["params"].items():
+                expect_close(value, want[name], f"{case}, GPU stage {rank}: {name}",
+                             rtol=1e-4, atol=1e-5)
+        events = [e for r in out for e in r["timeline"]]
+        assert all(e["start"] <= e["end"] for e in events)
+        assert 0.0 <= pp.idle_fraction(events, 2) < 1.0
+        assert nccl_deadlock([r["logs"][0] for r in out]) is None
 
 
 # ------------------------------------------------------------------- plots and bench

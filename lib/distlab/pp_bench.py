@@ -108,10 +108,16 @@ def table(rows: list[dict]) -> str:
 
 def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
     """The bubble against the formula, the peak memory per stage, and the Gantt charts
-    of both schedules at a middle m; returns the files written."""
-    import matplotlib.pyplot as plt
+    of both schedules at a middle m; returns the files written (none, with a note,
+    where matplotlib or ipywidgets is missing: ``--replot`` draws them elsewhere)."""
+    try:
+        import matplotlib.pyplot as plt
 
-    from distlab.viz.pipeline import compare_figure, plot_bubble
+        from distlab.viz.pipeline import compare_figure, plot_bubble
+    except ImportError as exc:
+        print(f"figures skipped ({exc}); draw them where matplotlib and ipywidgets are "
+              f"installed: python -m distlab.pp_bench --replot --out {out}")
+        return []
 
     written = []
     fig = plot_bubble([{"label": f"{pp.TITLES[r['schedule']]} measured", "m": r["m"],
@@ -124,10 +130,13 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
         for name in dict.fromkeys(r["schedule"] for r in rows):
             mine = [r for r in rows if r["schedule"] == name]
             for s in range(rows[0]["p"]):
-                ax.plot([r["m"] for r in mine], [r["peak_gib"][s] for r in mine], "o-",
-                        ls="-" if name == "gpipe" else "--",
+                ax.plot([r["m"] for r in mine], [r["peak_gib"][s] for r in mine], marker="o",
+                        ls="-" if name == "gpipe" else "--", color=f"C{s}",
                         label=f"{pp.TITLES[name]}, stage {s}")
         ax.set_xscale("log", base=2)
+        ms = sorted({r["m"] for r in rows})
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.minorticks_off()
         ax.set_xlabel("micro-batches m (same global batch)")
         ax.set_ylabel("peak memory (GiB)")
         ax.set_title(f"{title}: peak memory per stage", fontsize=10)
@@ -161,7 +170,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="auto", choices=backend.BACKENDS)
+    p.add_argument("--replot", action="store_true",
+                   help="measure nothing: print the table and draw the figures of the "
+                        "pp_bench.json already in --out")
     args = p.parse_args(argv)
+    if args.replot:
+        data = json.loads((args.out / "pp_bench.json").read_text())
+        print(data["title"])
+        print(table(data["rows"]))
+        for path in figures(data["rows"], args.out, data["title"]):
+            print(f"wrote {path}")
+        return 0
     ms = [int(m) for m in args.microbatches.split(",")]
     if max(ms) > args.batch_size:
         p.error(f"--microbatches up to {max(ms)} need --batch-size >= {max(ms)}")
