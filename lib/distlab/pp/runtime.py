@@ -52,7 +52,8 @@ class PipelineRunner:
     table (a deadlocking one then hangs until the launcher's timeout).
     ``pad_to``: ``(forward, backward)`` seconds; each action is padded with a sleep to
     last that long, which gives every micro-batch the same compute time without
-    keeping a core busy (for honest bubble measurements on a shared CPU).
+    keeping a core busy (for honest bubble measurements on a shared CPU; a host's
+    sleep does not pad a GPU's work).
     ``grouped``: see :class:`~distlab.pp.p2p.StageLink`. ``dtype``: of the
     activations between stages (the parameters' by default)."""
 
@@ -79,7 +80,9 @@ class PipelineRunner:
         """Forward and backward of the global batch ``(inputs, targets)``, both (B, T):
         the first stage reads the tokens, the last the targets, every stage their shape
         (which fixes every message's shape). Returns the batch's mean loss on the last
-        stage (detached), None on the others; gradients accumulate in ``.grad``."""
+        stage (detached), None on the others. Call it with zeroed gradients (after
+        ``optimizer.zero_grad()``): it ends by summing the tied parameters' gradients
+        across their stages, which would count what an earlier step left there twice."""
         m, s = self.num_microbatches, self.stage
         if inputs.dim() != 2 or inputs.shape != targets.shape:
             raise ValueError(f"inputs and targets must both be (batch, time), got "
