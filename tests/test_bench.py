@@ -1,12 +1,13 @@
-"""The benchmark: time_op's barrier/median/slowest-rank semantics, the sweep's columns
-and nccl-tests busbw factors, the alpha-beta fit, and the command line."""
+"""The benchmark: time_op's back-to-back/slowest-rank semantics, time_each's median,
+the sweep's columns and nccl-tests busbw factors, the alpha-beta fit, reading
+nccl-tests' output, and the command line."""
 import time
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 
-from distlab import bench, launch
+from distlab import alphabeta, bench, launch
 from distlab.comm import bus_factor
 
 
@@ -29,20 +30,24 @@ def test_time_op_is_the_slowest_rank_and_the_same_everywhere():
     assert 0.08 <= out[0][0] < 0.5, out
 
 
-def test_time_op_takes_the_median_outside_a_group():
-    durations = iter([0.0, 0.05, 0.0, 0.0, 0.2])   # warm-up, then 4 timed calls
-    assert bench.time_op(lambda: time.sleep(next(durations)), warmup=1, iters=4) < 0.05
+def test_time_op_is_the_run_over_its_length_and_time_each_the_median():
+    durations = iter([0.3, 0.0, 0.0, 0.0, 0.2])   # warm-up (not timed), then 4 calls
+    assert 0.05 <= bench.time_op(lambda: time.sleep(next(durations)), warmup=1, iters=4) < 0.15
+    durations = iter([0.0, 0.0, 0.2])
+    assert bench.time_each(lambda: time.sleep(next(durations)), iters=3) < 0.1
     with pytest.raises(ValueError):
         bench.time_op(lambda: None, iters=0)
+    with pytest.raises(ValueError, match="GPU"):
+        bench.time_op(lambda: None, graph=True)
 
 
-def _sweep(ops, sizes):
-    return bench.sweep(ops, sizes, warmup=1, iters=2)
+def _sweep(ops, sizes, each=0):
+    return bench.sweep(ops, sizes, warmup=1, iters=2, each=each)
 
 
 def test_sweep_rows_follow_nccl_tests():
     sizes = [1000, 4096, 1 << 16]
-    results = launch.run(_sweep, 4, bench.OPS, sizes, backend="gloo", timeout=120)
+    results = launch.run(_sweep, 4, bench.OPS, sizes, 2, backend="gloo", timeout=120)
     rows = results[0]
     assert all(r == rows for r in results), "every rank returns the same rows"
     assert [(r.op, i) for i, r in enumerate(rows)] == [
@@ -54,10 +59,11 @@ def test_sweep_rows_follow_nccl_tests():
             assert r.count % 4 == 0, "all_gather/reduce_scatter sizes split evenly"
         assert r.algbw == pytest.approx(r.size / r.seconds)
         assert r.busbw == pytest.approx(r.algbw * bus_factor(r.op, 4))
+        assert r.each > 0
     assert len(bench.table(rows).splitlines()) >= len(rows)
     header = next(line for line in bench.table(rows).splitlines() if "busbw" in line)
     assert header.split() == ["#", "size", "count", "type", "time(us)", "algbw(GB/s)",
-                              "busbw(GB/s)"]
+                              "busbw(GB/s)", "1", "call(us)"]
 
 
 def test_a_single_rank_has_no_sendrecv():
@@ -73,13 +79,13 @@ def test_fit_recovers_latency_and_bandwidth():
         alpha, bw = rng.uniform(1e-6, 1e-3), rng.uniform(1e8, 1e11)
         rows = [bench.Row("all_gather", s, s // 4, "float32", alpha + s / bw, s / (alpha + s / bw),
                           s / (alpha + s / bw) * 0.75) for s in bench.sizes(1024, 1 << 26)]
-        f = bench.fit(rows)
+        f = alphabeta.fit(rows)
         assert f.alpha == pytest.approx(alpha, rel=1e-6)
         assert f.bandwidth == pytest.approx(bw, rel=1e-6)
         assert f.busbw == pytest.approx(bw * 0.75, rel=1e-6)
         assert f.seconds(f.half_size) == pytest.approx(2 * alpha)
     with pytest.raises(ValueError):
-        bench.fit(rows[:1])
+        alphabeta.fit(rows[:1])
 
 
 def test_sizes_and_size_parsing():
@@ -91,13 +97,67 @@ def test_sizes_and_size_parsing():
         bench.sizes(0, 10)
 
 
-def test_command_line_prints_the_table_and_saves_the_plot(tmp_path, capsys):
-    plot = tmp_path / "busbw.png"
-    bench.main(["--ops", "all_reduce,broadcast", "-b", "1K", "-e", "8K", "-n", "4",
-                "--backend", "gloo", "-w", "1", "-i", "2", "--plot", str(plot)])
-    out = capsys.readouterr().out
-    assert "# all_reduce" in out and "# broadcast" in out and "alpha-beta fit" in out
-    assert plot.stat().st_size > 0
+# nccl-tests 2.19's output, as all_reduce_perf -b 8 -e 1G -f 2 -g 2 prints it (written
+# by hand from the figures of issue 10, two H200s; the middle sizes are left out).
+NCCL_TESTS_ALL_REDUCE = """\
+# nccl-tests version 2.19.6 nccl-headers=22809 nccl-library=22809
+# Collective test starting: all_reduce_perf
+# nThread 1 nGpus 2 minBytes 8 maxBytes 1073741824 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0 unalign: 0
+#
+# Using devices
+#  Rank  0 Group  0 Pid   4242 on     h200-0 device  0 [0000:18:00] NVIDIA H200
+#  Rank  1 Group  0 Pid   4242 on     h200-0 device  1 [0000:2a:00] NVIDIA H200
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+           8             2     float     sum      -1    18.05    0.00    0.00      0    17.80    0.00    0.00      0
+          16             4     float     sum      -1    17.91    0.00    0.00      0    17.86    0.00    0.00      0
+     4194304       1048576     float     sum      -1    34.12  122.93  122.93      0    33.87  123.84  123.84      0
+   536870912     134217728     float     sum      -1   1707.3  314.45  314.45      0   1706.9  314.53  314.53      0
+  1073741824     268435456     float     sum      -1   3411.6  314.74  314.74      0   3410.8  314.81  314.81      0
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 150.12
+#
+# Collective test concluded: all_reduce_perf
+"""
+
+
+def test_reads_nccl_tests_output_and_compares():
+    ref = bench.read_nccl_tests(NCCL_TESTS_ALL_REDUCE)
+    assert [r.size for r in ref] == [8, 16, 4194304, 536870912, 1073741824]
+    first = ref[0]
+    assert (first.count, first.dtype) == (2, "float")
+    assert first.out_of_place == pytest.approx(18.05e-6) and first.in_place == pytest.approx(17.8e-6)
+    assert ref[3].busbw_in_place == pytest.approx(314.53e9)
+    assert first.seconds("all_reduce") == first.in_place       # torch's all_reduce is in place
+    assert first.seconds("all_gather") == first.out_of_place
+    ours = [bench.Row("all_reduce", 8, 2, "float32", 20.0e-6, 0.4e6, 0.4e6),
+            bench.Row("all_reduce", 1 << 30, 1 << 28, "float32", 3.5e-3, 3.07e11, 3.07e11),
+            bench.Row("all_reduce", 1 << 20, 1 << 18, "float32", 9e-6, 1e11, 1e11)]  # not in ref
+    compared = bench.compare(ours, {"all_reduce": ref})
+    assert [(c["size"], round(c["ratio"], 3)) for c in compared] == [
+        (8, round(20.0 / 17.8, 3)), (1 << 30, round(3500 / 3410.8, 3))]
+    text = bench.comparison_table(compared)
+    assert "nccl-tests in place" in text and "worst: 1.12x at 8 B" in text
+    with pytest.raises(ValueError, match="no result lines"):
+        bench.read_nccl_tests("# nothing here\n")
+
+
+def test_command_line_prints_the_tables_and_writes_its_figures(tmp_path, capsys):
+    reference = tmp_path / "nccl-tests"
+    reference.mkdir()
+    (reference / "all_reduce_perf.txt").write_text(NCCL_TESTS_ALL_REDUCE)
+    out = tmp_path / "out"
+    bench.main(["--ops", "all_reduce,broadcast", "-b", "8", "-e", "16", "-n", "2",
+                "--backend", "gloo", "-w", "1", "-i", "2", "--each", "2",
+                "--nccl-tests", str(reference), "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "# all_reduce" in text and "# broadcast" in text and "alpha-beta fit" in text
+    assert "against nccl-tests" in text and "# all_reduce (nccl-tests in place)" in text
+    assert "# broadcast (nccl-tests" not in text  # no reference for it
+    for name in ("bench.json", "busbw.png", "time.png"):
+        assert (out / name).stat().st_size > 0
     with pytest.raises(SystemExit):
         bench.main(["--ops", "all_to_everyone"])
 
@@ -107,3 +167,15 @@ def test_sweep_on_one_gpu():
     rows = launch.run(_sweep, 1, bench.OPS, [4096, 1 << 20], backend="nccl", timeout=120)[0]
     assert [r.op for r in rows] == [op for op in bench.OPS if op != "sendrecv" for _ in (1, 2)]
     assert all(r.seconds > 0 and r.algbw == pytest.approx(r.size / r.seconds) for r in rows)
+
+
+def _graphed(ops, sizes):
+    return bench.sweep(ops, sizes, warmup=2, iters=5, graph=True)
+
+
+@pytest.mark.multigpu
+def test_sweep_on_two_gpus_eager_and_in_a_cuda_graph():
+    for fn in (_sweep, _graphed):
+        rows = launch.run(fn, 2, bench.OPS, [8, 1 << 20], backend="nccl", timeout=120)[0]
+        assert [r.op for r in rows] == [op for op in bench.OPS for _ in (1, 2)]
+        assert all(r.seconds > 0 for r in rows)

@@ -22,7 +22,11 @@ def _against_single_process():
     groups = [dist.new_group(m) for m in GROUPS]
     x = torch.randn(12, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     for members, group in zip(GROUPS, groups):
-        if rank not in members:
+        if rank not in members:  # outside: at once, nothing touched, nothing called
+            p, gr = torch.ones(3), torch.full((3,), 2.0)
+            with CommLog() as log:
+                assert ps.ps_sgd_step([p], [gr], members[0], 0.1, group=group) is None
+            assert p.tolist() == [1.0] * 3 and gr.tolist() == [2.0] * 3 and not log.events
             continue
         for server in (members[0], members[-1]):
             g = torch.Generator().manual_seed(1)

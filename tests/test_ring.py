@@ -21,11 +21,11 @@ def _inputs(numel, dtype, K, seed):
 
 
 def _all_cases():
-    """Every case at the default piece size and at 12-byte pieces (many pieces per chunk,
-    so that the pipeline and its receive slots wrap around); returns the failures."""
+    """Every case at the backend's piece size and at 12-byte pieces (many pieces per
+    chunk, so that the pipeline and its receive slots wrap around); returns the failures."""
     default = ring.PIECE_BYTES
     try:
-        return [f for piece_bytes in (default, 12) for f in _cases(piece_bytes)]
+        return [f for piece_bytes in (None, 12) for f in _cases(piece_bytes)]
     finally:
         ring.PIECE_BYTES = default  # the ranks stay warm for the next launch
 
@@ -35,10 +35,10 @@ def _cases(piece_bytes):
     device = backend.device()
     ring.PIECE_BYTES = piece_bytes
     failures = []
-    lengths = {0, 1, max(K - 1, 1), 13, 101} | ({4099} if piece_bytes > 4099 * 8 else set())
+    lengths = {0, 1, max(K - 1, 1), 13, 101} | ({4099} if piece_bytes is None else set())
     for numel in sorted(lengths):
         for dtype in DTYPES:
-            case = f"{numel} x {dtype}, K={K}, pieces of {piece_bytes} B"
+            case = f"{numel} x {dtype}, K={K}, pieces of {piece_bytes or 'default'} B"
             xs = [x.to(device) for x in _inputs(numel, dtype, K, seed=numel)]
             total = sum(x.double() for x in xs).to(dtype) if dtype != torch.int64 else sum(xs)
             mine = torch.tensor_split(total, K)[rank]
@@ -87,10 +87,33 @@ def test_equals_the_single_process_sum(world_size):
 
 @pytest.mark.multigpu
 def test_equals_the_single_process_sum_on_gpus():
-    """NCCL, 2 GPUs: sends and receives between the same two GPUs share a stream there,
-    so the reference groups them (ring._Ring.start); ungrouped, they would deadlock."""
+    """NCCL, 2 GPUs: every rank's calls run in order on one stream there, and a group
+    ends only when all its operations have; the reference obeys (test_p2p_check)."""
     for rank, failures in enumerate(launch.run(_all_cases, 2, backend="nccl", timeout=300)):
         assert failures == [], f"rank {rank}: {failures[:5]}"
+
+
+def _large(sizes):
+    """Large buffers on GPUs, of odd lengths: many pieces per chunk at NCCL's piece size."""
+    rank, K, device = dist.get_rank(), dist.get_world_size(), backend.device()
+    failures = []
+    for numel in sizes:
+        g = torch.Generator(device=device).manual_seed(numel)
+        xs = [torch.randint(-8, 8, (numel,), generator=g, device=device).float()
+              for _ in range(K)]
+        x = xs[rank].clone()
+        ring.ring_allreduce(x)
+        if not torch.equal(x, sum(xs)):
+            failures.append(f"ring_allreduce of {numel} float32 on {K} GPUs")
+    return failures
+
+
+@pytest.mark.multigpu
+def test_large_buffers_on_gpus():
+    """256 MiB hung before the ring issued the same groups on every rank."""
+    sizes = [(1 << 20) + 3, (64 << 18) + 5, 256 << 18]
+    for rank, failures in enumerate(launch.run(_large, 2, sizes, backend="nccl", timeout=300)):
+        assert failures == [], f"rank {rank}: {failures}"
 
 
 def _subgroups():
@@ -99,7 +122,11 @@ def _subgroups():
     results = {}
     groups = {tuple(m): dist.new_group(m) for m in ([1, 2, 3], [0, 2], [3])}  # all ranks
     for members, group in groups.items():
-        if rank not in members:
+        if rank not in members:  # outside: None at once, inputs untouched
+            x = torch.ones(3)
+            results[members] = (ring.ring_allreduce(x, group=group),
+                                ring.ring_reduce_scatter(x, group=group),
+                                ring.ring_all_gather(x, 7, group=group), x.tolist())
             continue
         x = torch.arange(10, dtype=torch.float64) * (rank + 1)
         ring.ring_allreduce(x, group=group)
@@ -117,6 +144,8 @@ def test_subgroups():
         want_full = [float(sum(members))] * 7
         for r in members:
             assert runs[r][tuple(members)] == (want_sum, want_full), (members, r)
+        for r in set(range(4)) - set(members):
+            assert runs[r][tuple(members)] == (None, None, None, [1.0] * 3), (members, r)
 
 
 def _misuse():
@@ -211,6 +240,39 @@ def test_record_follows_the_algorithm(record4):
     assert all(h == everyone for row in rec.holds[-1] for h in row)
 
 
+BLOCK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is blocked")
+sys.meta_path.insert(0, Block())
+"""
+
+
+@pytest.mark.parametrize("lab,blocked", [("01_primitives", {"ipywidgets"}),
+                                         ("02_parameter_server", {"ipywidgets"}),
+                                         ("03_ring_allreduce", {"ipywidgets", "matplotlib"})])
+def test_the_exercise_modules_import_without_widgets(lab, blocked, tmp_path):
+    """The autograder imports a lab's exercise cells with the notebook's imports: that
+    must not need ipywidgets (nor matplotlib where the lab's cells do not import it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nbformat
+
+    from distlab import notebook
+
+    root = Path(__file__).resolve().parents[1]
+    source = notebook.module_source(nbformat.read(root / "solutions" / f"{lab}.ipynb", 4))
+    module = tmp_path / "student.py"
+    module.write_text(BLOCK.format(blocked=blocked) + source)
+    run = subprocess.run([sys.executable, str(module)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_stepper_steps_and_draws(record4):
     from distlab.viz.ring import RingStepper, cell_label, steps_figure
 
@@ -251,9 +313,14 @@ def test_bench_checks_answers_and_reports_ratios(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+def test_check_against_the_backend():
+    assert ring_bench.check(3, "gloo", [(3, "uint8"), (1, "float32"), (4097, "bfloat16")]) == []
+
+
 def test_bench_cli(tmp_path, capsys):
-    plot = tmp_path / "ring.png"
-    assert ring_bench.main(["--min-bytes", "16K", "--max-bytes", "64K", "--rounds", "1",
-                            "--plot", str(plot)]) == 0
+    assert ring_bench.main(["-b", "16K", "-e", "64K", "--rounds", "1", "--pieces", "8K",
+                            "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "16 KiB" in out and "64 KiB" in out and plot.stat().st_size > 0
+    assert "16 KiB" in out and "64 KiB" in out and "reference ring, 8.0 KiB pieces" in out
+    assert (tmp_path / "ring_bench.png").stat().st_size > 0
+    assert '"reference ring, 8.0 KiB pieces"' in (tmp_path / "ring_bench.json").read_text()

@@ -2,6 +2,13 @@
 
     python -m distlab.bench                      # 4 ranks, every op, 4 KiB .. 16 MiB
     python -m distlab.bench --ops all_reduce --world-size 2 --max-bytes 64M
+    python -m distlab.bench -n 2 --backend nccl -b 8 -e 1G --nccl-tests DIR  # side by side
+
+Timing follows nccl-tests: warm-up calls, then a run of calls back to back, with no
+barrier and no wait between them, timed as a whole (:func:`time_op`); the time per op
+is the run's over its length. Waiting for each call instead adds the cost of issuing
+it and of synchronising to every op, which for small messages is most of it
+(:func:`time_each`, the "1 call" column).
 
 Definitions follow nccl-tests (doc/PERFORMANCE.md): ``size`` is the message in bytes
 (the whole buffer of all_reduce/broadcast/reduce, the *output* of all_gather, the
@@ -17,11 +24,11 @@ import os
 import statistics
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from distlab import backend, comm, launch
+from distlab.alphabeta import fits
 
 
 def _sync(device: torch.device) -> None:
@@ -29,32 +36,80 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_op(fn, warmup: int = 5, iters: int = 20, group=None) -> float:
-    """Median wall time, in seconds, of ``fn()`` over ``iters`` calls after ``warmup``.
+def _slowest(value: float, group) -> float:
+    """The largest ``value`` over the ranks of ``group`` (itself outside any group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=backend.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
 
-    Call it on every rank of ``group`` (or outside any process group). Each timed call
-    starts right after a barrier, so that no rank's clock counts the others' lateness,
-    and ends when this rank's device is idle again (GPU work is asynchronous: the clock
-    waits for ``torch.cuda.synchronize``). A call's time is the slowest rank's (a
-    collective is only done when every rank is done), and the median over calls resists
-    the odd slow call. Every rank returns the same number.
+
+def time_op(fn, warmup: int = 5, iters: int = 20, group=None, graph: bool = False) -> float:
+    """Seconds per call of ``fn``, timed the way nccl-tests times a collective.
+
+    Call it on every rank of ``group`` (or outside any process group). ``warmup`` calls,
+    one barrier, then ``iters`` calls back to back, with no barrier and no wait between
+    them: on a GPU between two CUDA events on the current stream (the host only queues
+    the calls, so the GPU's time per op is measured, unless issuing a call takes the
+    host longer than the GPU takes to run it), on the CPU with ``time.perf_counter``.
+    The time per call is the run's time over ``iters``, the slowest rank's; every rank
+    returns the same number. ``graph=True`` (CUDA only) captures the ``iters`` calls in
+    a CUDA graph and times one replay: no host cost per call at all.
     """
     if warmup < 0 or iters < 1:
         raise ValueError(f"need warmup >= 0 and iters >= 1, got {warmup} and {iters}")
-    distributed = dist.is_available() and dist.is_initialized()
     device = backend.device()
+    if graph and device.type != "cuda":
+        raise ValueError("graph=True captures a CUDA graph: it needs a GPU")
     for _ in range(warmup):
         fn()
+    run = fn
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            for _ in range(iters):
+                fn()
+        captured.replay()
+        run, iters_in_run = captured.replay, 1
+    else:
+        iters_in_run = iters
     _sync(device)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)
+        _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters_in_run):
+            run()
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        begin = time.perf_counter()
+        for _ in range(iters_in_run):
+            run()
+        seconds = time.perf_counter() - begin
+    return _slowest(seconds / iters, group)
+
+
+def time_each(fn, iters: int = 10, group=None) -> float:
+    """Seconds of one call that the program waits for: the median over ``iters`` calls,
+    each started right after a barrier and ended when the device is idle again, the
+    slowest rank's. Against :func:`time_op` it shows what issuing a call and waiting
+    for it cost (launch and synchronisation), on top of the op itself."""
+    distributed = dist.is_available() and dist.is_initialized()
+    device = backend.device()
     times = []
     for _ in range(iters):
         if distributed:
             dist.barrier(group=group)
-            _sync(device)
-        start = time.perf_counter()
+        _sync(device)
+        begin = time.perf_counter()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - begin)
     if distributed:  # one collective for all the calls: the slowest rank's time of each
         slowest = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -63,6 +118,7 @@ def time_op(fn, warmup: int = 5, iters: int = 20, group=None) -> float:
 
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv")
+IN_PLACE = ("all_reduce", "broadcast", "reduce")  # as torch calls them; the others are not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,32 +129,10 @@ class Row:
     size: int          # bytes, as nccl-tests counts them (see the module docstring)
     count: int         # elements of that message
     dtype: str
-    seconds: float     # median over the timed iterations, slowest rank
+    seconds: float     # per op, back to back (time_op), slowest rank
     algbw: float
     busbw: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Fit:
-    """The alpha-beta (latency-bandwidth) model ``t(size) = alpha + size / bandwidth``.
-
-    Hockney's model; ``bandwidth`` is the algorithm bandwidth the op tends to for large
-    messages, ``busbw`` that times the op's bus factor. ``half_size = alpha * bandwidth``
-    is the message at which latency and transfer take equal time: below it an op is
-    latency-bound, above it bandwidth-bound (it then reaches half its peak algbw).
-    """
-
-    op: str
-    alpha: float
-    bandwidth: float
-    busbw: float
-
-    @property
-    def half_size(self) -> float:
-        return self.alpha * self.bandwidth
-
-    def seconds(self, size):
-        return self.alpha + np.asarray(size, dtype=float) / self.bandwidth
+    each: float | None = None  # one call waited for (time_each), if measured
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
@@ -114,7 +148,8 @@ def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
 
 def _op(op: str, nbytes: int, dtype: torch.dtype, group):
     """(call, count): a closure running ``op`` once on buffers made here, and the
-    element count of its message. Sizes round down to what the op can split evenly."""
+    element count of its message. Sizes round down to what the op can split evenly.
+    The calls bypass CommLog's tracer (:func:`distlab.comm.untraced`)."""
     n = dist.get_world_size(group)
     rank = dist.get_rank(group)
     device = backend.device()
@@ -122,46 +157,65 @@ def _op(op: str, nbytes: int, dtype: torch.dtype, group):
     count = max(nbytes // itemsize, 1)
     if op in ("all_gather", "reduce_scatter"):
         count = max(count // n, 1) * n
+    root = dist.get_global_rank(group, 0) if group is not None else 0
 
     def buffer(numel):
         return torch.ones(numel, dtype=dtype, device=device)
 
     if op == "all_reduce":
-        t = buffer(count)
-        call = lambda: dist.all_reduce(t, group=group)  # noqa: E731
+        t, all_reduce = buffer(count), comm.untraced(dist.all_reduce)
+        call = lambda: all_reduce(t, group=group)  # noqa: E731
     elif op == "all_gather":
         out, inp = buffer(count), buffer(count // n)
-        call = lambda: comm.all_gather_into(out, inp, group=group)  # noqa: E731
+        gather = comm.untraced(comm.single_tensor_op("all_gather"))
+        call = lambda: gather(out, inp, group=group)  # noqa: E731
     elif op == "reduce_scatter":
         out, inp = buffer(count // n), buffer(count)
-        call = lambda: comm.reduce_scatter_into(out, inp, group=group)  # noqa: E731
+        scatter = comm.untraced(comm.single_tensor_op("reduce_scatter"))
+        call = lambda: scatter(out, inp, group=group)  # noqa: E731
     elif op == "broadcast":
-        t = buffer(count)
-        root = dist.get_global_rank(group, 0) if group is not None else 0
-        call = lambda: dist.broadcast(t, src=root, group=group)  # noqa: E731
+        t, bcast = buffer(count), comm.untraced(dist.broadcast)
+        call = lambda: bcast(t, src=root, group=group)  # noqa: E731
     elif op == "reduce":
-        t = buffer(count)
-        root = dist.get_global_rank(group, 0) if group is not None else 0
-        call = lambda: dist.reduce(t, dst=root, group=group)  # noqa: E731
+        t, reduce = buffer(count), comm.untraced(dist.reduce)
+        call = lambda: reduce(t, dst=root, group=group)  # noqa: E731
     elif op == "sendrecv":
         if n < 2:
             raise ValueError("sendrecv needs at least 2 ranks (each sends to the next)")
-        send, recv = buffer(count), buffer(count)
-        peers = dist.get_process_group_ranks(group) if group is not None else list(range(n))
-
-        def call():
-            ops = [dist.P2POp(dist.isend, send, peers[(rank + 1) % n], group),
-                   dist.P2POp(dist.irecv, recv, peers[(rank - 1) % n], group)]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        call = _sendrecv(buffer(count), buffer(count), group)
     else:
         raise ValueError(f"unknown op {op!r}; choose from {OPS}")
     return call, count
 
 
+def _sendrecv(send: torch.Tensor, recv: torch.Tensor, group):
+    """Send to the next rank and receive from the previous one, as one group where the
+    backend groups calls (NCCL: what ``batch_isend_irecv`` does, without its per-call
+    Python); gloo runs the two calls side by side."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    peers = dist.get_process_group_ranks(group) if group is not None else list(range(n))
+    nxt, prv = peers[(rank + 1) % n], peers[(rank - 1) % n]
+    isend, irecv = comm.untraced(dist.isend), comm.untraced(dist.irecv)
+    pg = group or dist.group.WORLD
+    if pg._get_backend(send.device).supports_coalescing:
+        from torch.distributed.distributed_c10d import _coalescing_manager
+
+        def call():
+            with _coalescing_manager(group, send.device, async_ops=True) as cm:
+                isend(send, nxt, group)
+                irecv(recv, prv, group)
+            cm.wait()
+    else:
+        def call():
+            for work in (isend(send, nxt, group), irecv(recv, prv, group)):
+                work.wait()
+    return call
+
+
 def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmup: int = 5,
-          iters: int = 20, group=None) -> list[Row]:
-    """Time every op at every size on the ranks of ``group``; call it on each of them
+          iters: int = 20, group=None, each: int = 0, graph: bool = False) -> list[Row]:
+    """Time every op at every size on the ranks of ``group`` (:func:`time_op`, and with
+    ``each`` > 0 also :func:`time_each` over that many calls); call it on each of them
     (inside a launched function). Every rank returns the same rows. sendrecv is left
     out on a single rank (it has no peer)."""
     message_sizes = message_sizes or sizes(4 << 10, 16 << 20)
@@ -174,47 +228,31 @@ def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmu
     rows = []
     for op, size in launch.progress(cases, desc=f"bench on {n} rank(s)"):
         call, count = _op(op, size, dtype, group)
-        seconds = time_op(call, warmup, iters, group)
+        seconds = time_op(call, warmup, iters, group, graph)
         nbytes = count * torch.empty((), dtype=dtype).element_size()
         algbw = nbytes / seconds
         rows.append(Row(op, nbytes, count, str(dtype).removeprefix("torch."), seconds,
-                        algbw, algbw * comm.bus_factor(op, n)))
+                        algbw, algbw * comm.bus_factor(op, n),
+                        time_each(call, each, group) if each else None))
+        del call  # free this size's buffers before the next
     return rows
 
 
-def fit(rows: list[Row]) -> Fit:
-    """Least-squares alpha-beta fit of one op's rows, in relative error (each size
-    weighs the same, small messages included, instead of the largest dominating)."""
-    ops = {r.op for r in rows}
-    if len(ops) != 1 or len(rows) < 2:
-        raise ValueError(f"fit one op over at least 2 sizes, got {len(rows)} rows of {ops}")
-    size = np.array([r.size for r in rows], dtype=float)
-    t = np.array([r.seconds for r in rows])
-    design = np.stack([np.ones_like(size), size], axis=1) / t[:, None]
-    (alpha, inv_bw), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    bandwidth = 1.0 / inv_bw if inv_bw > 0 else float("inf")
-    factor = rows[0].busbw / rows[0].algbw if rows[0].algbw else 0.0
-    return Fit(rows[0].op, float(alpha), float(bandwidth), float(bandwidth * factor))
-
-
-def fits(rows: list[Row]) -> dict[str, Fit]:
-    """One fit per op present in ``rows``."""
-    by_op: dict[str, list[Row]] = {}
-    for r in rows:
-        by_op.setdefault(r.op, []).append(r)
-    return {op: fit(rs) for op, rs in by_op.items() if len(rs) >= 2}
-
-
 def table(rows: list[Row]) -> str:
-    """nccl-tests' columns (time in us, bandwidths in GB/s = 1e9 B/s), one block per op,
-    each followed by its alpha-beta fit."""
+    """nccl-tests' columns (time per op in us, bandwidths in GB/s = 1e9 B/s), one block
+    per op, each followed by its alpha-beta fit; with :func:`time_each` measured, also
+    the time of one call waited for ("1 call(us)")."""
     fitted = fits(rows)
-    header = f"{'size':>12} {'count':>12} {'type':>8} {'time(us)':>11} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+    each = any(r.each is not None for r in rows)
+    header = (f"{'size':>12} {'count':>12} {'type':>8} {'time(us)':>11} {'algbw(GB/s)':>12} "
+              f"{'busbw(GB/s)':>12}" + (f" {'1 call(us)':>11}" if each else ""))
     lines = []
     for op in dict.fromkeys(r.op for r in rows):
         lines += [f"# {op}", "#" + header[1:]]
         lines += [f"{r.size:>12} {r.count:>12} {r.dtype:>8} {r.seconds * 1e6:>11.1f} "
-                  f"{r.algbw / 1e9:>12.3f} {r.busbw / 1e9:>12.3f}" for r in rows if r.op == op]
+                  f"{r.algbw / 1e9:>12.3f} {r.busbw / 1e9:>12.3f}"
+                  + (f" {r.each * 1e6:>11.1f}" if r.each is not None else "")
+                  for r in rows if r.op == op]
         if op in fitted and fitted[op].bandwidth == float("inf"):
             lines.append(f"# alpha-beta fit: latency {fitted[op].alpha * 1e6:.1f} us and no "
                          f"size dependence: nothing crossed a link (one rank?)")
@@ -229,10 +267,81 @@ def table(rows: list[Row]) -> str:
 
 def run(ops=OPS, message_sizes=None, world_size: int = 4, backend: str = "auto",
         dtype: torch.dtype = torch.float32, warmup: int = 5, iters: int = 20,
-        timeout: float = 600.0) -> list[Row]:
+        timeout: float = 600.0, each: int = 0, graph: bool = False) -> list[Row]:
     """Launch ``world_size`` ranks and sweep; the rows (from rank 0)."""
     return launch.run(sweep, world_size, tuple(ops), message_sizes, dtype, warmup, iters,
-                      backend=backend, timeout=timeout)[0]
+                      None, each, graph, backend=backend, timeout=timeout)[0]
+
+
+# ------------------------------------------------------------ nccl-tests, side by side
+
+
+@dataclasses.dataclass(frozen=True)
+class NcclTestsRow:
+    """One line of an nccl-tests ``*_perf`` run: its out-of-place and in-place times
+    (seconds) and bandwidths (bytes/s)."""
+
+    size: int
+    count: int
+    dtype: str
+    out_of_place: float
+    in_place: float
+    busbw_out_of_place: float
+    busbw_in_place: float
+
+    def seconds(self, op: str) -> float:
+        """The time of the variant torch's call of ``op`` is: in place for all_reduce,
+        broadcast and reduce, out of place for the others (as :func:`sweep` runs them)."""
+        return self.in_place if op in IN_PLACE else self.out_of_place
+
+
+def read_nccl_tests(text: str) -> list[NcclTestsRow]:
+    """The result lines of an nccl-tests output (``all_reduce_perf -b 8 -e 1G ...``):
+    size count type redop root, then time algbw busbw #wrong out of place, the same in
+    place (times in us, bandwidths in GB/s, as printed)."""
+    rows = []
+    for line in text.splitlines():
+        cells = line.split()
+        if len(cells) < 13 or line.lstrip().startswith("#") or not cells[0].isdigit():
+            continue
+        rows.append(NcclTestsRow(int(cells[0]), int(cells[1]), cells[2], float(cells[5]) / 1e6,
+                                 float(cells[9]) / 1e6, float(cells[7]) * 1e9,
+                                 float(cells[11]) * 1e9))
+    if not rows:
+        raise ValueError("no result lines in this nccl-tests output (is it the output of an "
+                         "*_perf binary?)")
+    return rows
+
+
+def compare(rows: list[Row], reference: dict[str, list[NcclTestsRow]]) -> list[dict]:
+    """Per op and size measured by both: our time per op, nccl-tests', and their ratio
+    (ours / nccl-tests', so 1.15 means 15 % slower). Sizes match exactly or to the
+    nearest within 10 % (nccl-tests rounds some sizes to what splits evenly)."""
+    out = []
+    for r in rows:
+        theirs = reference.get(r.op, [])
+        near = min(theirs, key=lambda t: abs(t.size - r.size), default=None)
+        if near is None or abs(near.size - r.size) > 0.1 * r.size:
+            continue
+        seconds = near.seconds(r.op)
+        out.append({"op": r.op, "size": r.size, "seconds": r.seconds,
+                    "nccl_tests_seconds": seconds, "ratio": r.seconds / seconds})
+    return out
+
+
+def comparison_table(compared: list[dict]) -> str:
+    """Time per op side by side, one block per op, and each op's worst ratio."""
+    lines = []
+    for op in dict.fromkeys(c["op"] for c in compared):
+        mine = [c for c in compared if c["op"] == op]
+        variant = "in place" if op in IN_PLACE else "out of place"
+        lines += [f"# {op} (nccl-tests {variant})",
+                  f"#{'size':>11} {'distlab(us)':>12} {'nccl-tests(us)':>15} {'ratio':>7}"]
+        lines += [f"{c['size']:>12} {c['seconds'] * 1e6:>12.1f} "
+                  f"{c['nccl_tests_seconds'] * 1e6:>15.1f} {c['ratio']:>7.2f}" for c in mine]
+        worst = max(mine, key=lambda c: c["ratio"])
+        lines += [f"# worst: {worst['ratio']:.2f}x at {comm.human_bytes(worst['size'])}", ""]
+    return "\n".join(lines).rstrip()
 
 
 def parse_size(text: str) -> int:
@@ -255,9 +364,16 @@ def main(argv=None) -> None:
     parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "rccl", "gloo"))
     parser.add_argument("--dtype", default="float32", help="torch dtype name")
     parser.add_argument("-w", "--warmup", default=5, type=int)
-    parser.add_argument("-i", "--iters", default=20, type=int)
-    parser.add_argument("--plot", default="bench_busbw.png",
-                        help="where to save the busbw-vs-size plot ('' for none)")
+    parser.add_argument("-i", "--iters", default=20, type=int, help="calls back to back")
+    parser.add_argument("--each", default=10, type=int,
+                        help="also time this many single calls, each waited for (0: no)")
+    parser.add_argument("--graph", action="store_true",
+                        help="GPU: time a CUDA graph of the calls (no host cost per call)")
+    parser.add_argument("--nccl-tests", default=None, metavar="DIR",
+                        help="a folder of nccl-tests outputs, <op>_perf.txt: print the "
+                             "times side by side")
+    parser.add_argument("--out", default="build/bench",
+                        help="folder for bench.json and the plots ('' for none)")
     args = parser.parse_args(argv)
     from distlab import backend as backends
 
@@ -268,20 +384,38 @@ def main(argv=None) -> None:
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         parser.error(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
-    print(f"# {backends.explain(args.world_size, args.backend)}; torch {torch.__version__}")
-    print(f"# warm-up {args.warmup}, median of {args.iters} iterations, slowest rank")
+    explained = backends.explain(args.world_size, args.backend)
+    print(f"# {explained}; torch {torch.__version__}")
+    print(f"# warm-up {args.warmup}, then {args.iters} calls back to back"
+          f"{' in a CUDA graph' if args.graph else ''}: time per op, slowest rank"
+          + (f"; 1 call: median of {args.each} calls each waited for" if args.each else ""))
     if args.world_size == 1:
-        print("# one rank: nothing crosses a link, so the times are the per-call latency and "
-              "the bandwidths say nothing about the hardware")
+        print("# one rank: nothing crosses a link; the bandwidths say nothing about the "
+              "hardware")
     rows = run(ops, sizes(args.min_bytes, args.max_bytes, args.factor), args.world_size,
-               args.backend, dtype, args.warmup, args.iters)
+               args.backend, dtype, args.warmup, args.iters, each=args.each, graph=args.graph)
     print(table(rows))
-    if args.plot:
+    compared = None
+    if args.nccl_tests:
+        reference = {op: read_nccl_tests(open(os.path.join(args.nccl_tests, f"{op}_perf.txt")).read())
+                     for op in ops if os.path.exists(os.path.join(args.nccl_tests, f"{op}_perf.txt"))}
+        compared = compare(rows, reference)
+        print("\n# against nccl-tests, time per op\n" + comparison_table(compared))
+    if args.out:
+        import json
+
         from distlab.viz import bandwidth
 
-        title = f"{backends.explain(args.world_size, args.backend)}"
-        bandwidth.plot_busbw(rows, title=title).savefig(args.plot, dpi=120, bbox_inches="tight")
-        print(f"# plot: {args.plot}")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"setup": explained, "torch": torch.__version__, "graph": args.graph,
+                       "rows": [dataclasses.asdict(r) for r in rows],
+                       "vs_nccl_tests": compared}, f, indent=1)
+        bandwidth.plot_busbw(rows, title=explained).savefig(
+            os.path.join(args.out, "busbw.png"), dpi=120, bbox_inches="tight")
+        bandwidth.plot_times(rows, title=explained).savefig(
+            os.path.join(args.out, "time.png"), dpi=120, bbox_inches="tight")
+        print(f"# wrote {args.out}/bench.json, busbw.png, time.png")
 
 
 if __name__ == "__main__":

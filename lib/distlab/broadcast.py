@@ -26,12 +26,24 @@ import torch
 import torch.distributed as dist
 
 
-def pipelined_broadcast(tensor: torch.Tensor, src: int, num_chunks: int, group=None) -> torch.Tensor:
+def pipelined_broadcast(tensor: torch.Tensor, src: int, num_chunks: int,
+                        group=None) -> torch.Tensor | None:
     """In place: every rank of ``group`` ends with the ``tensor`` of rank ``src`` (a
-    global rank, as in ``dist.broadcast``). Equals ``dist.broadcast``; uses only
-    isend/irecv."""
+    global rank, as in ``dist.broadcast``). Equals ``dist.broadcast``; point to point
+    only. Returns ``tensor``; a rank outside ``group`` returns None at once.
+
+    Step i of a rank in the middle of the chain is one group (``batch_isend_irecv``):
+    forward chunk i-1 and receive chunk i. So its calls are issued in pipeline order,
+    which NCCL needs: there a rank's calls run in order on one stream, and a rank that
+    posted every receive before its first send would forward nothing until the whole
+    tensor had arrived. Waiting for a step's calls before the next (to forward chunk
+    i-1, it must have arrived) blocks the host on gloo; on NCCL it only orders streams.
+    The two ends of the chain only send or only receive, so they post everything at
+    once."""
     if not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+    if group is not None and dist.get_rank(group) < 0:
+        return None
     if not tensor.is_contiguous():
         raise ValueError("pipelined_broadcast works in place on a contiguous tensor; "
                          "pass tensor.contiguous() and copy the result back")
@@ -39,20 +51,26 @@ def pipelined_broadcast(tensor: torch.Tensor, src: int, num_chunks: int, group=N
         range(dist.get_world_size()))
     if src not in ranks:
         raise ValueError(f"src={src} is not a rank of the group {ranks}")
-    k = len(ranks)
-    pos = (ranks.index(dist.get_rank()) - ranks.index(src)) % k  # place in the chain
-    prev = ranks[(ranks.index(src) + pos - 1) % k]
-    succ = ranks[(ranks.index(src) + pos + 1) % k]
+    k, start = len(ranks), ranks.index(src)
+    pos = (ranks.index(dist.get_rank()) - start) % k  # place in the chain
+    prev, succ = ranks[(start + pos - 1) % k], ranks[(start + pos + 1) % k]
     chunks = [c for c in torch.tensor_split(tensor.view(-1), num_chunks) if c.numel()]
-    first, last = pos == 0, pos == k - 1
-    receives = [] if first else [dist.irecv(c, src=prev, group=group) for c in chunks]
-    sends = []
-    for i, chunk in enumerate(chunks):
-        if receives:
-            receives[i].wait()
-        if not last:
-            sends.append(dist.isend(chunk, dst=succ, group=group))
-    for work in sends:
+    if k == 1:
+        return tensor
+    if pos == 0:          # the source: every chunk out, in order
+        works = [dist.isend(c, succ, group) for c in chunks]
+    elif pos == k - 1:    # the end of the chain: every chunk in, in order
+        works = [dist.irecv(c, prev, group) for c in chunks]
+    else:                 # in between, step i: forward chunk i-1, receive chunk i
+        works = []
+        for i in range(len(chunks) + 1):
+            ops = [dist.P2POp(dist.isend, chunks[i - 1], succ, group)] if i else []
+            if i < len(chunks):
+                ops.append(dist.P2POp(dist.irecv, chunks[i], prev, group))
+            for work in works:  # the previous step's: chunk i-1 is here
+                work.wait()
+            works = dist.batch_isend_irecv(ops)
+    for work in works:
         work.wait()
     return tensor
 

@@ -186,6 +186,15 @@ def human_bytes(nbytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def size_label(nbytes: float) -> str:
+    """A message size for tables and axes: 64 KiB, 1.5 MiB (as short as it is exact)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024 or unit == "GiB":
+            return f"{nbytes:g} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
 class _State(threading.local):
     def __init__(self):
         self.logs: list[CommLog] = []
@@ -203,20 +212,36 @@ _installed = False
 
 class StatusBoard:
     """A few bytes of shared memory where a rank posts the call it is in, so that the
-    launcher can say where each rank stood when a launch hangs."""
+    launcher can say where each rank stood when a launch hangs.
+
+    Layout: a count of finished posts, the text, a count of started posts. The writer
+    bumps the last, writes the text, then the first; a reader that sees two equal counts
+    around the text read a whole post, never half of one (a seqlock)."""
 
     SIZE = 256
+    _TEXT = slice(4, SIZE - 4)
 
     def __init__(self, buffer):
         self.buffer = buffer
+        self.count = 0
 
     def post(self, text: str) -> None:
-        data = text.encode()[: self.SIZE - 1] + b"\0"
-        self.buffer[: len(data)] = data
+        self.count = (self.count + 1) % 2**32
+        stamp = self.count.to_bytes(4, "little")
+        data = text.encode()[: self._TEXT.stop - self._TEXT.start - 1] + b"\0"
+        self.buffer[self.SIZE - 4:] = stamp
+        self.buffer[self._TEXT.start:self._TEXT.start + len(data)] = data
+        self.buffer[:4] = stamp
 
     @classmethod
-    def read(cls, buffer) -> str:
-        return bytes(buffer[: cls.SIZE]).split(b"\0", 1)[0].decode(errors="replace")
+    def read(cls, buffer, attempts: int = 100) -> str:
+        """The last whole post in ``buffer`` (an mmap of the board), or "" if none."""
+        for _ in range(attempts):
+            finished = bytes(buffer[:4])
+            text = bytes(buffer[cls._TEXT])
+            if bytes(buffer[cls.SIZE - 4:cls.SIZE]) == finished:
+                return text.split(b"\0", 1)[0].decode(errors="replace")
+        return ""
 
 
 def post_status_to(board: StatusBoard | None) -> None:
@@ -363,15 +388,26 @@ def install() -> None:
     _installed = True
 
 
+def untraced(fn):
+    """``fn`` without the tracer: what a benchmark times (the backend, not the
+    bookkeeping of every call, which costs tens of microseconds)."""
+    return getattr(fn, "__distlab_traced__", fn)
+
+
+def single_tensor_op(kind: str):
+    """torch's one-tensor ``"all_gather"`` or ``"reduce_scatter"``, by the name this
+    version prefers (``*_single`` from torch 2.13, ``*_tensor`` before)."""
+    new, old = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+                "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}[kind]
+    return getattr(dist, new, None) or getattr(dist, old)
+
+
 def all_gather_into(output, input, group=None, async_op=False):
-    """All-gather into one tensor, by the name this version of torch prefers
-    (``all_gather_single`` from 2.13, ``all_gather_into_tensor`` before)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    """All-gather into one tensor (:func:`single_tensor_op`)."""
+    return single_tensor_op("all_gather")(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """Reduce-scatter from one tensor (``reduce_scatter_single`` from torch 2.13,
-    ``reduce_scatter_tensor`` before)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=op, group=group, async_op=async_op)
+    """Reduce-scatter from one tensor (:func:`single_tensor_op`)."""
+    return single_tensor_op("reduce_scatter")(output, input, op=op, group=group,
+                                              async_op=async_op)

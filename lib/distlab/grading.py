@@ -9,7 +9,11 @@ multigpu; tests of a tier this machine cannot run are "blocked", not failed.
 
 Isolation: exercises never share a process; within one exercise's tests the ranks stay
 warm between launches (the launcher throws them away after any failure), which keeps
-a whole lab's grading within seconds per exercise.
+a whole lab's grading within seconds per exercise. What the grader guarantees against
+students' code, and what it does not, is in :mod:`distlab.sandbox`: the student's code
+runs only in sandboxed ranks (as an unprivileged user where the grader is root), the
+tests check plain data in a process that never imports it, the outcomes travel through
+a pipe, and every process of an exercise's run is killed before its grade is read.
 
 This module is also the pytest plugin (``-p distlab.grading``) that records, for each
 test, its outcome and the first failing check in plain words, and it offers
@@ -20,10 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
+import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,7 +97,12 @@ def blocked_reason(item) -> str | None:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--distlab-report", default=None, help="write per-test outcomes here")
+    parser.addoption("--distlab-report-fd", default=None, type=int,
+                     help="stream per-test outcomes (JSON lines) to this inherited descriptor")
+    parser.addoption("--distlab-untouched", default="",
+                     help="comma-separated exercises to count but not run (not attempted)")
+    parser.addoption("--distlab-exercise-timeout", default=EXERCISE_TIMEOUT, type=float,
+                     help="seconds for all the tests of one exercise")
 
 
 def _verdict_of(exc) -> tuple[str, str]:
@@ -102,6 +111,9 @@ def _verdict_of(exc) -> tuple[str, str]:
 
     if isinstance(exc, LaunchTimeout):
         where = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
+        if all(w.startswith(("running", "computing")) for w in exc.where.values()):
+            return "timeout", (f"no answer within {exc.timeout:g} s, and no rank was waiting "
+                               f"for another: an endless loop, or far too slow ({where})")
         return "deadlock", f"deadlock: no answer within {exc.timeout:g} s ({where})"
     if isinstance(exc, NotImplementedError) or (
             isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
@@ -120,17 +132,54 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
-class _Recorder:
-    """Writes each test's outcome and plain-words message to a JSON file."""
+def exercise_of(test_file: str) -> str:
+    """``.../test_NAME.py`` → ``NAME``."""
+    return Path(test_file).stem.removeprefix("test_")
 
-    def __init__(self, path):
-        self.path, self.tests = path, []
+
+class _Recorder:
+    """Streams, as JSON lines to a pipe: the collected tests (and which this machine
+    cannot run), then each test's outcome and plain-words message, then the end. The
+    tests of untouched exercises are counted, not run; an exercise whose tests have used
+    up its time has the rest reported as timed out."""
+
+    def __init__(self, fd: int, untouched: set[str], budget: float):
+        self.out = os.fdopen(fd, "w", buffering=1)
+        self.untouched, self.budget = untouched, budget
+        self.spent: dict[str, float] = {}
+        self.exercise: dict[str, str] = {}  # test id → exercise
+
+    def _write(self, record: dict) -> None:
+        if "test" in record:
+            record["exercise"] = self.exercise.get(record["test"], "")
+        self.out.write(json.dumps(record) + "\n")
 
     def pytest_collection_modifyitems(self, config, items):
-        if config.option.collectonly:  # counting, not running: say what would be blocked
-            self.tests = [{"test": item.nodeid, "outcome": "blocked" if blocked_reason(item)
-                           else "collected", "message": blocked_reason(item) or ""}
-                          for item in items]
+        self.exercise = {item.nodeid: exercise_of(str(item.path)) for item in items}
+        self._write({"collected": [{"test": item.nodeid, "exercise": self.exercise[item.nodeid],
+                                    "blocked": blocked_reason(item) or ""} for item in items]})
+        skipped = [item for item in items if self.exercise[item.nodeid] in self.untouched]
+        if skipped:
+            items[:] = [item for item in items if item not in skipped]
+            config.hook.pytest_deselected(items=skipped)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        name = self.exercise.get(item.nodeid, "")
+        if self.spent.get(name, 0.0) > self.budget:
+            self._write({"test": item.nodeid, "outcome": "timeout", "message":
+                         f"the tests of this exercise did not finish within {self.budget:g} s "
+                         f"(a deadlock the tests did not catch, or far too slow)"})
+            yield
+            return
+        start = time.monotonic()
+        yield
+        self.spent[name] = self.spent.get(name, 0.0) + time.monotonic() - start
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item):
+        if self.spent.get(self.exercise.get(item.nodeid, ""), 0.0) > self.budget:
+            pytest.skip("timeout")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
@@ -140,27 +189,39 @@ class _Recorder:
             report.distlab_verdict = _verdict_of(call.excinfo.value)
 
     def pytest_runtest_logreport(self, report):
+        if self.spent.get(self.exercise.get(report.nodeid, ""), 0.0) > self.budget:
+            return  # already reported as timed out
         if report.when != "call" and report.outcome == "passed":
             return
         if report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             reason = reason.removeprefix("Skipped: ")
             kind = "blocked" if reason.startswith("blocked") else "skipped"
-            self.tests.append({"test": report.nodeid, "outcome": kind, "message": reason})
+            self._write({"test": report.nodeid, "outcome": kind, "message": reason})
         elif report.passed:
-            self.tests.append({"test": report.nodeid, "outcome": "passed", "message": ""})
+            self._write({"test": report.nodeid, "outcome": "passed", "message": ""})
         else:
             kind, message = getattr(report, "distlab_verdict", ("error", "the test broke"))
-            self.tests.append({"test": report.nodeid, "outcome": kind, "message": message})
+            self._write({"test": report.nodeid, "outcome": kind, "message": message})
 
     def pytest_sessionfinish(self, session):
-        Path(self.path).write_text(json.dumps(self.tests, indent=1))
+        from distlab import launch
+
+        launch.shutdown(graceful=False)  # no rank of this run is left when the end is sent
+        self._write({"end": True})
+        self.out.close()
 
 
 def pytest_configure(config):
-    path = config.getoption("--distlab-report", default=None)
-    if path:
-        config.pluginmanager.register(_Recorder(path), "distlab-recorder")
+    fd = config.getoption("--distlab-report-fd", default=None)
+    if fd is not None:
+        from distlab import sandbox
+
+        sandbox.make_non_dumpable()
+        untouched = {n for n in config.getoption("--distlab-untouched").split(",") if n}
+        config.pluginmanager.register(
+            _Recorder(fd, untouched, config.getoption("--distlab-exercise-timeout")),
+            "distlab-recorder")
 
 
 # ------------------------------------------------------------------------ the grader
@@ -194,6 +255,7 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
         first = failed[0]
         verdict = ("not attempted" if kinds == {"not attempted"} and not passed else
                    "deadlock" if "deadlock" in kinds else
+                   "timeout" if "timeout" in kinds and not passed else
                    "partial" if passed else "fail")
         message = next((t for t in failed if t["outcome"] == "deadlock"), first)["message"]
         message = f"{first['test'].split('::')[-1]}: {message}" if verdict != "not attempted" \
@@ -201,84 +263,99 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
     return Result(name, len(passed), len(ran), verdict, message, len(blocked), seconds)
 
 
-def _pytest(report: Path, *args: str) -> list[str]:
-    """A pytest command line whose outcomes this module's plugin writes to ``report``."""
+def _pytest(report_fd: int, *args: str) -> list[str]:
+    """A pytest command line whose outcomes this module's plugin streams to ``report_fd``."""
     return [sys.executable, "-m", "pytest", "-q", "-p", "distlab.grading", "-p",
-            "no:cacheprovider", f"--distlab-report={report}", f"--rootdir={ROOT}", *args]
+            "no:cacheprovider", f"--distlab-report-fd={report_fd}", f"--rootdir={ROOT}", *args]
 
 
-def grade_exercise(name: str, module_path: Path, tests_dir: Path = TESTS,
-                   timeout: float = EXERCISE_TIMEOUT) -> Result:
-    test_file = tests_dir / f"test_{name}.py"
-    if not test_file.exists():
-        return Result(name, 0, 0, "error", f"no tests for this exercise ({test_file} missing)")
-    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
-        report = Path(tmp) / "report.json"
-        cmd = _pytest(report, str(test_file))
-        env = dict(os.environ, DISTLAB_STUDENT=str(module_path))
-        start = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _run_reported(args: list[str], env: dict, timeout: float) -> tuple[int | None, str, list[dict]]:
+    """Run pytest with ``args`` under :func:`distlab.sandbox.run_contained`; (exit status or
+    None on timeout, output, the records it streamed)."""
+    from distlab import sandbox
+
+    read, write = os.pipe()
+    stream: list[bytes] = []
+    reader = threading.Thread(target=lambda: stream.extend(iter(
+        lambda: os.read(read, 1 << 16), b"")), daemon=True)
+    reader.start()
+    try:
+        code, out = sandbox.run_contained(_pytest(write, *args), env=env, cwd=ROOT,
+                                          timeout=timeout, pass_fds=[write])
+    finally:
+        os.close(write)
+        reader.join(10)
+        os.close(read)
+    records = []
+    for line in b"".join(stream).decode(errors="replace").splitlines():
         try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # pytest and every rank it launched
-            proc.communicate()
-            return Result(name, 0, 0, "timeout",
-                          f"the tests did not finish within {timeout:g} s (a deadlock the tests "
-                          f"did not catch, or far too slow)", seconds=time.monotonic() - start)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        seconds = time.monotonic() - start
-        if not report.exists():
-            tail = "\n".join(out.strip().splitlines()[-5:])
-            return Result(name, 0, 0, "error", f"the test run broke before reporting: {tail}",
-                          seconds=seconds)
-        return _summarise(name, json.loads(report.read_text()), seconds)
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return code, out, records
 
 
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
           only: list[str] | None = None) -> list[Result]:
-    """Grade every exercise of the notebook at ``path``."""
+    """Grade every exercise of the notebook at ``path``: one contained pytest run over the
+    exercises' test files, each exercise's tests limited to ``timeout`` seconds."""
     import nbformat
 
-    from distlab import notebook
+    from distlab import notebook, sandbox
 
     nb = nbformat.read(path, as_version=4)
     cells = {name: source for name, source in notebook.exercises(nb).items()
              if not only or name in only}
-    untouched = [name for name, source in cells.items() if notebook.is_untouched(source)]
-    counts = _count_tests([tests_dir / f"test_{name}.py" for name in untouched])
-    results = []
-    with tempfile.TemporaryDirectory(prefix="distlab-student-") as tmp:
+    files = {name: tests_dir / f"test_{name}.py" for name in cells}
+    missing = {name for name, f in files.items() if not f.exists()}
+    untouched = {name for name, source in cells.items() if notebook.is_untouched(source)}
+    user, _ = sandbox.unprivileged_user()
+    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
+        os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
         module.write_text(notebook.module_source(nb))
-        for name in cells:
-            if name in untouched:
-                runnable, blocked = counts.get(f"test_{name}.py", (0, 0))
-                results.append(Result(name, 0, runnable, "not attempted",
-                                      "the cell still raises NotImplementedError", blocked))
-            else:
-                results.append(grade_exercise(name, module, tests_dir, timeout))
+        module.chmod(0o644)
+        runs = Path(tmp) / "tmp"
+        runs.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
+        env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
+                   DISTLAB_SANDBOX_USER=user, TMPDIR=str(runs))
+        attempted = len(set(cells) - untouched - missing)
+        start = time.monotonic()
+        code, out, records = (None, "", []) if len(missing) == len(cells) else _run_reported(
+            [f"--distlab-untouched={','.join(sorted(untouched))}",
+             f"--distlab-exercise-timeout={timeout}",
+             *(str(f) for name, f in files.items() if name not in missing)],
+            env, timeout * attempted + 120)
+        seconds = time.monotonic() - start
+    collected = next((r["collected"] for r in records if "collected" in r), [])
+    outcomes = {r["test"]: r for r in records if "outcome" in r}
+    ended = any(r.get("end") for r in records)
+    broke = ("the tests did not finish within their time limit" if code is None else
+             f"the test run ended before this test (exit status {code}): "
+             f"{' | '.join(out.strip().splitlines()[-2:])}")
+    results = []
+    for name in cells:
+        mine = [c for c in collected if c.get("exercise") == name]
+        runnable = sum(not c["blocked"] for c in mine)
+        if name in missing:
+            results.append(Result(name, 0, 0, "error", f"no tests for this exercise "
+                                                        f"({files[name]} missing)"))
+        elif name in untouched:
+            results.append(Result(name, 0, runnable, "not attempted",
+                                  "the cell still raises NotImplementedError", len(mine) - runnable))
+        elif not mine:
+            results.append(Result(name, 0, 0, "error", "its tests could not be collected: " +
+                                  " | ".join(out.strip().splitlines()[-3:])))
+        else:
+            tests = [outcomes.get(c["test"]) or (
+                {"test": c["test"], "outcome": "blocked", "message": c["blocked"]} if c["blocked"]
+                else {"test": c["test"], "outcome": "timeout" if code is None else "error",
+                      "message": broke if not ended else "the test reported no outcome"})
+                     for c in mine]
+            results.append(_summarise(name, tests, seconds / max(attempted, 1)))
     return results
-
-
-def _count_tests(test_files: list[Path]) -> dict[str, tuple[int, int]]:
-    """file name → (tests this machine can run, tests blocked), without running any."""
-    files = [f for f in test_files if f.exists()]
-    if not files:
-        return {}
-    with tempfile.TemporaryDirectory(prefix="distlab-count-") as tmp:
-        report = Path(tmp) / "report.json"
-        subprocess.run(_pytest(report, "--collect-only", *map(str, files)),
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-        tests = json.loads(report.read_text()) if report.exists() else []
-    counts: dict[str, list[int]] = {}
-    for t in tests:
-        entry = counts.setdefault(Path(t["test"].split("::")[0]).name, [0, 0])
-        entry[t["outcome"] == "blocked"] += 1
-    return {name: (c[0], c[1]) for name, c in counts.items()}
 
 
 def table(results: list[Result], title: str = "") -> str:
@@ -297,8 +374,25 @@ def table(results: list[Result], title: str = "") -> str:
     return "\n".join(lines)
 
 
+def _readable_notebook(path: Path) -> str:
+    """Why ``path`` cannot be graded ("" when it can)."""
+    import nbformat
+
+    if not path.is_file():
+        return f"{path} does not exist (or is not a file)"
+    try:
+        nbformat.read(path, as_version=4)
+    except Exception as exc:  # invalid JSON, not a notebook, unreadable
+        return (f"{path} is not a readable notebook ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); open it in JupyterLab "
+                f"and save it again, or restore it from git")
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
+
+    from distlab import sandbox
 
     parser = argparse.ArgumentParser(prog="python -m distlab.grade",
                                      description="Grade lab notebooks.")
@@ -308,16 +402,28 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds for the tests of one exercise (default %(default)s)")
     parser.add_argument("--exercise", action="append", help="grade only this exercise")
     args = parser.parse_args(argv)
-    report = {}
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    sandbox.make_non_dumpable()
+    user, why = sandbox.unprivileged_user()
+    if not user and os.geteuid() == 0:
+        print(f"warning: students' code will run as root: {why}", file=sys.stderr)
+    report, unreadable = {}, 0
     for path in args.notebooks:
-        if not path.exists():
-            parser.error(f"{path} does not exist")
+        problem = _readable_notebook(path)
+        if problem:
+            print(f"\n{path}\nerror: {problem}", flush=True)
+            report[str(path)] = {"error": problem}
+            unreadable += 1
+            continue
         results = grade(path, timeout=args.timeout, only=args.exercise)
         print(table(results, title=f"\n{path}"), flush=True)
         report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
                                           "verdict": r.verdict, "message": r.message,
                                           "blocked": r.blocked} for r in results}
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2))
+        os.replace(tmp, args.json)  # whole or not at all
         print(f"\nwrote {args.json}")
-    return 0
+    return 1 if unreadable else 0

@@ -13,9 +13,12 @@ may be defined in a notebook cell: it travels by value (cloudpickle), so no
 grouped by rank (``stream=True`` prints it as it comes).
 
 Ranks stay warm between launches: the next ``run`` with the same world size and
-backend reuses them (about 0.1 s instead of several seconds to start Python and
-torch and rendezvous). Any failure, hang or interrupt throws the pool away, and
-``isolated=True`` runs one launch on fresh processes.
+backend reuses them (about a millisecond instead of seconds to start Python and torch
+and rendezvous). Any failure, hang or interrupt throws the pool away, and
+``isolated=True`` runs one launch on fresh processes. Launches from several threads
+take turns on the warm ranks. A rank that keeps more than
+``DISTLAB_WARM_MEMORY_MB`` (default 4096) MiB resident after a launch, or whose
+function left the process group (``dist.destroy_process_group()``), is not reused.
 
 Failures never hang the caller:
 
@@ -26,21 +29,27 @@ Failures never hang the caller:
   rank's Python stack and the collective it was in;
 * Ctrl-C / interrupting the kernel stops every rank.
 
-Under ``torchrun`` (or inside a launched function) ``run`` calls the function once in
-the current process, as this rank, and returns every rank's result, so lab code runs
-unchanged on a cluster.
+Under ``torchrun`` (or inside a launched function, or with ``DISTLAB_IN_PROCESS=1``
+under another launcher) ``run`` calls the function once in the current process, as
+this rank, and returns every rank's result, so lab code runs unchanged on a cluster.
+There ``backend`` and ``timeout`` apply when ``run`` creates the process group (the
+timeout then bounds every collective); a group the caller made keeps its own.
+
+Sandbox (the autograder, ``DISTLAB_SANDBOX=1``): results come back as plain data
+(:mod:`distlab.plain`), never unpickled, and where the caller is root the ranks run as
+the unprivileged user ``DISTLAB_SANDBOX_USER`` ("uid:gid").
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
+import math
+import numbers
 import os
 import re
-import select
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,9 +57,13 @@ import time
 from multiprocessing.connection import Connection, wait
 
 from distlab import backend as backends
+from distlab import plain
+from distlab.forkserver import ForkServerError
+from distlab.rankproc import RankProcess, wait_exit
 
 DEFAULT_TIMEOUT = 120.0  # seconds a launch may take before it is declared hung
 START_TIMEOUT = 120.0    # seconds for fresh ranks to import torch and rendezvous
+WARM_MEMORY_MB = float(os.environ.get("DISTLAB_WARM_MEMORY_MB", 4096))
 
 
 class LaunchError(RuntimeError):
@@ -58,12 +71,13 @@ class LaunchError(RuntimeError):
 
 
 class RankError(LaunchError):
-    """A rank raised. ``original`` is the rank's exception, where it could travel."""
+    """A rank raised. ``exc_type`` and ``message`` are its exception's class name and text;
+    ``original`` is the exception itself, where it could travel (never in a sandbox)."""
 
-    def __init__(self, message, rank, exc_type, remote_traceback, original=None):
-        super().__init__(message)
+    def __init__(self, text, rank, exc_type, remote_traceback, original=None, message=""):
+        super().__init__(text)
         self.rank, self.exc_type, self.remote_traceback = rank, exc_type, remote_traceback
-        self.original = original
+        self.original, self.message = original, message
 
 
 class RankCrashed(LaunchError):
@@ -104,32 +118,46 @@ def run(fn, world_size: int, *args, backend: str = "auto", timeout: float = DEFA
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer (the number of ranks), "
                          f"got {world_size!r}")
-    if timeout is None or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    _check_timeout(timeout)
     if _in_running_group():
-        return _run_here(fn, world_size, args, kwargs)
+        return _run_here(fn, world_size, args, kwargs, backend, timeout)
     name = backends.choose(world_size, backend)
     payload = _pack(fn, args, kwargs)
+    sandbox = _sandbox()
     if isolated:
-        pool = _Pool(world_size, name)
+        pool = _Pool(world_size, name, sandbox)
         try:
             return pool.submit(payload, timeout, stream)
         finally:
             pool.close()
-    pool = _warm_pool(world_size, name)
+    if not _pool_lock.acquire(timeout=timeout):
+        raise LaunchError(f"another thread's launch kept the warm ranks busy for {timeout:g} s; "
+                          f"pass isolated=True to launch on ranks of this thread's own")
     try:
-        return pool.submit(payload, timeout, stream)
-    except BaseException:  # a failure, a hang or an interrupt: never reuse these ranks
-        shutdown(graceful=False)
-        raise
+        pool = _warm_pool(world_size, name, sandbox)
+        try:
+            results = pool.submit(payload, timeout, stream)
+        except BaseException:  # a failure, a hang or an interrupt: never reuse these ranks
+            shutdown(graceful=False)
+            raise
+        if not pool.reusable:
+            shutdown()
+        return results
+    finally:
+        _pool_lock.release()
 
 
 def shutdown(graceful: bool = True) -> None:
     """Stop the warm ranks, if any (they also stop when Python exits)."""
     global _pool
-    if _pool is not None:
-        _pool.close(graceful)
-        _pool = None
+    locked = _pool_lock.acquire(timeout=10)
+    try:
+        pool, _pool = _pool, None
+        if pool is not None:
+            pool.close(graceful)
+    finally:
+        if locked:
+            _pool_lock.release()
 
 
 def progress(iterable=None, total: int | None = None, desc: str = ""):
@@ -168,8 +196,12 @@ def _rank() -> int:
 
 
 def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or {"RANK", "WORLD_SIZE", "MASTER_ADDR"} <= set(
-        os.environ) and "DISTLAB_WORKER" not in os.environ
+    """torchrun sets TORCHELASTIC_RUN_ID; other launchers (mpirun, a Kubeflow pod that sets
+    RANK, WORLD_SIZE and MASTER_ADDR for its own purposes) are not taken for one unless
+    DISTLAB_IN_PROCESS=1 says so."""
+    env = os.environ
+    return "DISTLAB_WORKER" not in env and (
+        "TORCHELASTIC_RUN_ID" in env or env.get("DISTLAB_IN_PROCESS") == "1")
 
 
 def _in_running_group() -> bool:
@@ -178,7 +210,9 @@ def _in_running_group() -> bool:
     return (dist.is_available() and dist.is_initialized()) or _under_torchrun()
 
 
-def _run_here(fn, world_size, args, kwargs) -> list:
+def _run_here(fn, world_size, args, kwargs, backend, timeout) -> list:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -187,11 +221,12 @@ def _run_here(fn, world_size, args, kwargs) -> list:
     if not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        name = backends.choose(per_node, "auto")
+        name = backends.choose(per_node, backend)
         device = backends.device_for(local, name) if name == "nccl" else None
         if device is not None:
             torch.cuda.set_device(device)
-        dist.init_process_group(name, device_id=device)
+        dist.init_process_group(name, device_id=device,
+                                timeout=datetime.timedelta(seconds=timeout))
         # leave the group before interpreter teardown, or gloo's threads abort the process
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     if dist.get_world_size() != world_size:
@@ -206,6 +241,15 @@ def _run_here(fn, world_size, args, kwargs) -> list:
 
 
 # -------------------------------------------------------------------------- the pool
+
+
+def _check_timeout(timeout) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds (for example timeout=60), got "
+                        f"{timeout!r} of type {type(timeout).__name__}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got "
+                         f"{timeout!r}")
 
 
 def _pack(fn, args, kwargs) -> bytes:
@@ -241,147 +285,86 @@ def _pack(fn, args, kwargs) -> bytes:
 
 
 _pool: "_Pool | None" = None
+_pool_lock = threading.RLock()
 
 
-def _warm_pool(world_size: int, name: str) -> "_Pool":
+def _warm_pool(world_size: int, name: str, sandbox) -> "_Pool":
     global _pool
-    if _pool is not None and (_pool.world_size, _pool.backend) != (world_size, name):
+    if _pool is not None and (_pool.world_size, _pool.backend, _pool.sandbox) != (
+            world_size, name, sandbox):
         shutdown()
     if _pool is None:
-        _pool = _Pool(world_size, name)
+        _pool = _Pool(world_size, name, sandbox)
     return _pool
 
 
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    from distlab.rankproc import stop_forkserver
+
+    shutdown()
+    stop_forkserver()
 
 
-class _Spawned:
-    """A rank started as a fresh interpreter, where forking after torch is unsafe (macOS).
-    Same interface as :class:`distlab.forkserver.Child`."""
-
-    def __init__(self, env: dict, channel: int, stdout: int, stderr: int):
-        env = dict(env, DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(os.getpid()),
-                   PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        self.proc = subprocess.Popen([sys.executable, "-m", "distlab.worker"], env=env,
-                                     pass_fds=[channel], stdin=subprocess.DEVNULL,
-                                     stdout=stdout, stderr=stderr, start_new_session=True)
-        self.pid = self.proc.pid
-        self.fd, done = os.pipe()
-        threading.Thread(target=lambda: (self.proc.wait(), os.close(done)), daemon=True).start()
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return bool(select.select([self.fd], [], [], timeout)[0])
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def returncode(self) -> int:
-        return self.proc.wait()
-
-    def close(self) -> None:
-        os.close(self.fd)
+atexit.register(_shutdown_at_exit)
 
 
-_forkserver = None
+def _sandbox() -> tuple | None:
+    """None, or (uid, gid) to run as (() for the caller's own user), from DISTLAB_SANDBOX."""
+    if os.environ.get("DISTLAB_SANDBOX") != "1":
+        return None
+    user = os.environ.get("DISTLAB_SANDBOX_USER", "")
+    if not user or os.geteuid() != 0:
+        return ()
+    uid, gid = (int(x) for x in user.split(":"))
+    return (uid, gid)
 
 
-def _start(env: dict, channel: int, stdout: int, stderr: int):
-    """A rank process: forked by the warm fork server on Linux, a fresh Python elsewhere."""
-    global _forkserver
-    if sys.platform != "linux":
-        return _Spawned(env, channel, stdout, stderr)
-    from distlab.forkserver import ForkServer
+def _new_workdir(run_as) -> tuple[str, int]:
+    """A private directory for one pool, and a descriptor holding the lock that marks it
+    in use; directories whose lock nobody holds (their launcher died) are removed."""
+    import fcntl
 
-    if _forkserver is None or not _forkserver.alive():
-        _forkserver = ForkServer()
-    return _forkserver.spawn(env, channel, stdout, stderr)
-
-
-class _Output:
-    """A rank's stdout or stderr, cut into segments at each MARK line: segment 0 is the
-    start-up, segment k the output of the pool's k-th launch."""
-
-    def __init__(self, pipe):
-        self.segments: list[list[str]] = [[]]
-        self.closed = False
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
-
-    def _read(self, pipe) -> None:
-        from distlab.worker import MARK
-
-        for line in iter(pipe.readline, ""):
-            with self.cond:
-                if line.rstrip("\n") == MARK:
-                    self.segments.append([])
-                    self.cond.notify_all()
-                else:
-                    self.segments[-1].append(line)
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-
-    def lines(self, index: int, start: int = 0, wait_s: float = 0.0) -> list[str]:
-        """Lines ``start:`` of segment ``index``, waiting up to ``wait_s`` for it to end."""
-        with self.cond:
-            if wait_s:
-                self.cond.wait_for(lambda: len(self.segments) > index + 1 or self.closed, wait_s)
-            return list(self.segments[index][start:]) if index < len(self.segments) else []
-
-
-class _Rank:
-    """One rank process of a pool: its channel, its output, its status board."""
-
-    def __init__(self, rank, world_size, name, workdir):
-        from distlab.comm import StatusBoard
-
-        self.rank = rank
-        with open(os.path.join(workdir, f"status-{rank}"), "wb") as f:
-            f.write(b"\0" * StatusBoard.SIZE)
-        self.stackfile = os.path.join(workdir, f"stack-{rank}.txt")
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world_size), DISTLAB_WORKER="1",
-                   DISTLAB_BACKEND=name, DISTLAB_DIR=workdir,
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(key, None)
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
-        ours, theirs = socket.socketpair()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            self.proc = _start(env, theirs.fileno(), out_w, err_w)
-        finally:
-            for fd in (out_w, err_w):
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not re.fullmatch(r"distlab-\d+-\w+", name):
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid != os.geteuid():
+                continue
+            fd = os.open(os.path.join(path, ".lock"), os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while in use
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
                 os.close(fd)
-            theirs.close()
-        self.conn = Connection(ours.detach())
-        self.out = _Output(open(out_r, encoding="utf-8", errors="replace"))
-        self.err = _Output(open(err_r, encoding="utf-8", errors="replace"))
+    workdir = tempfile.mkdtemp(prefix=f"distlab-{os.getpid()}-")
+    lock = os.open(os.path.join(workdir, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if run_as:
+        os.chown(workdir, *run_as)
+    return workdir, lock
 
-    def alive(self) -> bool:
-        return self.proc.alive()
 
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
-        self.proc.close()
-
-    def exit_reason(self) -> str:
-        code = self.proc.returncode()
-        if code < 0:
-            return f"was killed by {signal.Signals(-code).name} (signal {-code})"
-        return f"exited with status {code}"
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold Ctrl-C back while the ranks are being killed, then deliver it: a second
+    interrupt must not leave ranks alive (main thread only, where signals land)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt
 
 
 class _Pool:
@@ -389,88 +372,136 @@ class _Pool:
 
     _ids = itertools.count()
 
-    def __init__(self, world_size: int, name: str):
-        self.world_size, self.backend = world_size, name
-        self.workdir = tempfile.mkdtemp(prefix="distlab-")
-        self.tasks = 0  # launches run so far; output segment k+1 belongs to launch k
-        self.ranks: list[_Rank] = []
+    def __init__(self, world_size: int, name: str, sandbox=None):
+        self.world_size, self.backend, self.sandbox = world_size, name, sandbox
+        self.ranks: list[RankProcess] = []
+        self.closed = False
+        self.reusable = True
+        run_as = sandbox or None
+        self.workdir, self._lock = _new_workdir(run_as)
+        env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                   DISTLAB_WORKER="1", DISTLAB_BACKEND=name, DISTLAB_DIR=self.workdir,
+                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "DISTLAB_SANDBOX",
+                    "DISTLAB_SANDBOX_USER", "DISTLAB_IN_PROCESS"):
+            env.pop(key, None)
+        if sandbox is not None:
+            env.update(DISTLAB_PLAIN="1", HOME=self.workdir, TMPDIR=self.workdir)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
         try:
             for r in range(world_size):
-                self.ranks.append(_Rank(r, world_size, name, self.workdir))
+                self.ranks.append(RankProcess(r, dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                              self.workdir, run_as))
             self._wait_ready()
+        except ForkServerError as exc:
+            self.close(graceful=False)
+            raise LaunchError(f"the process that forks the ranks failed ({exc}); the next "
+                              f"launch starts a new one") from exc
         except BaseException:
-            self.close()
+            self.close(graceful=False)
             raise
 
     def _wait_ready(self) -> None:
         pending = {r.conn: r for r in self.ranks}
         deadline = time.monotonic() + START_TIMEOUT
         while pending:
-            ready = wait(list(pending) + [r.proc for r in self.ranks],
-                         timeout=max(0.0, deadline - time.monotonic()))
+            watch = list(pending) + [w for r in pending.values() for w in r.waitables()[1:]]
+            ready = wait(watch, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise LaunchError(
                     f"ranks {sorted(r.rank for r in pending.values())} did not start within "
                     f"{START_TIMEOUT:.0f} s (importing torch and joining the group). "
                     f"{self._explain_where(pending.values())}")
             for obj in ready:
-                if not isinstance(obj, Connection):
-                    rank = next(r for r in self.ranks if r.proc is obj)
-                    err = "".join(rank.err.lines(0, wait_s=2.0)[-30:])
-                    hint = _missing_package_hint(err)
-                    raise LaunchError(f"rank {rank.rank} {rank.exit_reason()} while starting "
-                                      f"({self.backend}, {self.world_size} ranks).{hint}\n{err}")
-                rank = pending.pop(obj)
-                obj.recv()
+                rank = pending.get(obj) or next(r for r in self.ranks if obj in r.waitables())
+                try:
+                    if isinstance(obj, Connection) and rank.recv()[0] == "ready":
+                        pending.pop(obj)
+                        continue
+                except (EOFError, OSError, plain.PlainDataError):
+                    pass
+                raise self._died_starting(rank)
+
+    def _died_starting(self, rank: RankProcess) -> LaunchError:
+        rank.proc.wait(2.0)
+        err = rank.err.take(drain=True).decode(errors="replace")
+        tail = "\n".join(err.rstrip().splitlines()[-30:])
+        hint = _missing_package_hint(err)
+        return LaunchError(f"rank {rank.rank} {rank.exit_reason()} while starting "
+                           f"({self.backend}, {self.world_size} ranks).{hint}\n{tail}")
 
     def submit(self, payload: bytes, timeout: float, stream: bool) -> list:
         task_id = next(self._ids)
-        self.tasks += 1
-        segment = self.tasks
         cwd, path = os.getcwd(), list(sys.path)
-        for r in self.ranks:
-            r.conn.send(("task", task_id, payload, cwd, path))
         results: dict[int, object] = {}
         errors: dict[int, dict] = {}
+        for r in self.ranks:
+            try:
+                r.send(("task", task_id, payload, cwd, path))
+            except OSError:  # the rank is gone: its exit code says how
+                raise self._crashed(r, results) from None
         bar = None
-        printed: dict = {}
+        shown = _Shown(self.ranks)
         deadline = time.monotonic() + timeout
         try:
             while len(results) + len(errors) < self.world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise self._timeout(timeout, segment, results, errors)
+                    raise self._timeout(timeout, results, errors, shown)
                 live = [r for r in self.ranks if r.rank not in results and r.rank not in errors]
-                ready = wait([r.conn for r in live] + [r.proc for r in live],
+                ready = wait([w for r in live for w in r.waitables()],
                              timeout=min(remaining, 0.1))
                 if stream:
-                    self._print_output(segment, printed, wait_s=0.0)
+                    shown.show(partial=False)
                 for r in live:
                     while r.conn in ready and r.conn.poll():
                         try:
-                            msg = r.conn.recv()
-                        except (EOFError, OSError):  # the rank is gone: its exit code says how
-                            raise self._crashed(r, segment, results) from None
+                            msg = r.recv()
+                        except (EOFError, OSError, plain.PlainDataError):
+                            raise self._crashed(r, results, shown=shown) from None
                         if msg[0] == "progress":
-                            bar = _update_bar(bar, *msg[2:])
-                        elif msg[1] == task_id:
-                            (results if msg[2] else errors)[r.rank] = msg[3]
+                            bar = _update_bar(bar, *msg[2:5])
+                        elif msg[0] == "done" and msg[1] == task_id:
+                            self._answer(r.rank, msg, results, errors)
                             break
-                    if r.proc in ready and r.rank not in results and r.rank not in errors:
-                        raise self._crashed(r, segment, results)
+                    if r.rank not in results and r.rank not in errors and not r.alive():
+                        raise self._crashed(r, results, shown=shown)
                 if errors:
                     self._drain(results, errors, 0.2)
                     # a rank that died is the cause; the others' errors ("connection reset
                     # by peer") are its consequence
                     dead = [r for r in self.ranks if r.rank not in results and not r.alive()]
                     if dead:
-                        raise self._crashed(dead[0], segment, results, errors)
-                    raise self._failed(errors, segment, results)
+                        raise self._crashed(dead[0], results, errors, shown)
+                    raise self._failed(errors, results, shown)
         finally:
             if bar is not None:
                 bar.close()
-        self._print_output(segment, printed)
-        return [_unpack(results[r]) for r in range(self.world_size)]
+        shown.show(partial=True)
+        return [self._decode(r, results[r]) for r in range(self.world_size)]
+
+    def _answer(self, rank: int, msg, results, errors) -> None:
+        _, _, ok, answer, info = msg
+        (results if ok else errors)[rank] = answer
+        if not isinstance(info, dict) or not info.get("group", True) or \
+                info.get("rss", 0) > WARM_MEMORY_MB * 2**20:
+            self.reusable = False
+
+    def _decode(self, rank: int, data):
+        if not isinstance(data, bytes):
+            raise LaunchError(f"rank {rank} sent back something that is not a result")
+        try:
+            if self.sandbox is not None:
+                return plain.loads(data)
+            import cloudpickle
+
+            return cloudpickle.loads(data)
+        except Exception as exc:  # a class the caller cannot import, a broken reduce...
+            self.reusable = False
+            raise LaunchError(f"rank {rank}'s result could not be rebuilt in the caller "
+                              f"({type(exc).__name__}: {exc}). Return tensors, numbers, "
+                              f"strings or plain lists/dicts of them, or objects whose "
+                              f"classes the caller can import.") from None
 
     # ---------------------------------------------------------------- failure paths
 
@@ -482,11 +513,11 @@ class _Pool:
             for r in self.ranks:
                 while r.rank not in results and r.rank not in errors and r.conn.poll():
                     try:
-                        msg = r.conn.recv()
-                    except (EOFError, OSError):
+                        msg = r.recv()
+                    except (EOFError, OSError, plain.PlainDataError):
                         break
                     if msg[0] == "done":
-                        (results if msg[2] else errors)[r.rank] = msg[3]
+                        self._answer(r.rank, msg, results, errors)
             time.sleep(0.02)
 
     def _others(self, results, errors, exclude=()) -> list[str]:
@@ -494,53 +525,59 @@ class _Pool:
         stuck = [r for r in self.ranks if r.rank not in results and r.rank not in errors
                  and r.rank not in exclude and r.alive()]
         where = self._where(stuck)
-        lines = [f"  rank {r}: raised {errors[r]['type']}: {_first_line(errors[r]['message'])}"
+        lines = [f"  rank {r}: raised {_text(errors[r], 'type')}: "
+                 f"{_first_line(_text(errors[r], 'message'))}"
                  for r in sorted(errors) if r not in exclude]
         lines += [f"  rank {r}: {w}" for r, w in sorted(where.items())]
         lines += [f"  rank {r}: had finished" for r in sorted(results)]
         return (["", "The other ranks were stopped. They were:"] + sorted(lines)) if lines else []
 
-    def _failed(self, errors, segment, results) -> RankError:
+    def _failed(self, errors, results, shown) -> RankError:
         rank = min(errors)
         e = errors[rank]
         others = self._others(results, errors, exclude=(rank,))
-        self._print_output(segment, wait_s=0.5)
+        shown.show(partial=True, wait_s=0.5)
         self.close(graceful=False)
-        lines = [f"rank {rank} raised {e['type']}: {e['message']}"
-                 f"{_missing_package_hint(e['message'])}", "", e["traceback"].rstrip()] + others
+        etype, message, tb = _text(e, "type"), _text(e, "message"), _text(e, "traceback")
+        lines = [f"rank {rank} raised {etype}: {message}{_missing_package_hint(message)}",
+                 "", tb.rstrip()] + others
         original = None
-        if e.get("exc"):
+        if self.sandbox is None and isinstance(e, dict) and isinstance(e.get("exc"), bytes):
             import cloudpickle
 
             try:
                 original = cloudpickle.loads(e["exc"])
             except Exception:  # its class is not importable here
                 original = None
-        return RankError("\n".join(lines), rank, e["type"], e["traceback"], original)
+        return RankError("\n".join(lines), rank, etype, tb, original, message)
 
-    def _crashed(self, rank: _Rank, segment, results, errors=None) -> RankCrashed:
+    def _crashed(self, rank: RankProcess, results, errors=None, shown=None) -> RankCrashed:
+        rank.proc.wait(1.0)
         reason = rank.exit_reason()
+        code = rank.returncode()
         errors = {r: e for r, e in (errors or {}).items() if r != rank.rank}
         self._drain(results, errors, 0.2)
         others = self._others(results, errors, exclude=(rank.rank,))
-        last_words = [line.rstrip() for line in rank.err.lines(segment, wait_s=0.5)[-4:]]
-        self._print_output(segment, wait_s=0.5)
+        shown = shown or _Shown(self.ranks)
+        shown.collect(wait_s=0.5)
+        last_words = [line.rstrip() for line in shown.lines(rank.rank, "err")[-4:]]
+        shown.show(partial=True)
         self.close(graceful=False)
         lines = [f"rank {rank.rank} {reason} during the launch, without an answer."]
-        if rank.proc.returncode() == -signal.SIGABRT:
+        if code == -signal.SIGABRT:
             lines.append("An abort inside the backend usually means the ranks disagreed: they "
                          "called different collectives, or the same one with different sizes "
                          "or dtypes (mismatched shapes across ranks).")
         if last_words:
             lines += ["Its last words (stderr):"] + [f"  {line}" for line in last_words]
         lines += others
-        return RankCrashed("\n".join(lines), rank.rank, rank.proc.returncode())
+        return RankCrashed("\n".join(lines), rank.rank, code)
 
-    def _timeout(self, timeout, segment, results, errors) -> LaunchTimeout:
+    def _timeout(self, timeout, results, errors, shown) -> LaunchTimeout:
         stuck = [r for r in self.ranks if r.rank not in results and r.rank not in errors]
         stacks = self._stacks(stuck)
         where = {r.rank: self._status(r) for r in stuck}
-        self._print_output(segment, wait_s=0.2)
+        shown.show(partial=True, wait_s=0.2)
         self.close(graceful=False)
         done = sorted(results)
         lines = [f"no answer from rank(s) {[r.rank for r in stuck]} within {timeout:g} s: "
@@ -555,14 +592,22 @@ class _Pool:
         stacks = self._stacks(ranks)
         return {r.rank: f"{self._status(r)}; at {_innermost(stacks[r.rank])}" for r in ranks}
 
-    def _status(self, r: _Rank) -> str:
+    def _status(self, r: RankProcess) -> str:
+        import mmap
+
         from distlab.comm import StatusBoard
 
-        with open(os.path.join(self.workdir, f"status-{r.rank}"), "rb") as f:
-            text = StatusBoard.read(f.read())
+        try:
+            with open(r.status_path, "rb") as f, mmap.mmap(f.fileno(), 0,
+                                                            access=mmap.ACCESS_READ) as m:
+                text = StatusBoard.read(m)
+        except (OSError, ValueError):
+            text = ""
         now = time.time()
-        text = re.sub(r" since ([\d.]+)$", lambda m: f" for {now - float(m.group(1)):.1f} s", text)
-        text = re.sub(r" at ([\d.]+)$", lambda m: f", {now - float(m.group(1)):.1f} s ago", text)
+        text = re.sub(r" since (\d+(?:\.\d+)?)$", lambda m: f" for {now - float(m.group(1)):.1f} s",
+                      text)
+        text = re.sub(r" at (\d+(?:\.\d+)?)$", lambda m: f", {now - float(m.group(1)):.1f} s ago",
+                      text)
         if text.startswith("in "):
             return "waiting in " + text[3:]
         if text.startswith("after "):
@@ -573,18 +618,17 @@ class _Pool:
         """Each rank's Python stack, dumped by faulthandler on SIGUSR1."""
         sizes = {}
         for r in ranks:
-            sizes[r.rank] = os.path.getsize(r.stackfile) if os.path.exists(r.stackfile) else 0
-            if r.alive():
-                os.kill(r.proc.pid, signal.SIGUSR1)
+            sizes[r.rank] = os.path.getsize(r.stack_path) if os.path.exists(r.stack_path) else 0
+            r.signal(signal.SIGUSR1)
         stacks = {}
         deadline = time.monotonic() + 1.0
         for r in ranks:
             while time.monotonic() < deadline and r.alive() and (
-                    not os.path.exists(r.stackfile) or os.path.getsize(r.stackfile) <= sizes[r.rank]):
+                    not os.path.exists(r.stack_path) or os.path.getsize(r.stack_path) <= sizes[r.rank]):
                 time.sleep(0.02)
             time.sleep(0.02)
             try:
-                with open(r.stackfile) as f:
+                with open(r.stack_path, errors="replace") as f:
                     f.seek(sizes[r.rank])
                     stacks[r.rank] = _tidy_stack(f.read())
             except OSError:
@@ -594,47 +638,82 @@ class _Pool:
     def _explain_where(self, ranks) -> str:
         return "; ".join(f"rank {r.rank}: {self._status(r)}" for r in ranks)
 
-    # ---------------------------------------------------------------------- output
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks: ask them to leave the group (``graceful``), then kill every one
+        before waiting on any. Idempotent; a second interrupt cannot leave ranks alive."""
+        if self.closed:
+            return
+        self.closed = True
+        ranks, self.ranks = self.ranks, []
+        try:
+            if graceful:
+                for r in ranks:
+                    with contextlib.suppress(OSError, ValueError):
+                        r.send(("exit",))
+                wait_exit(ranks, 2.0)
+        finally:
+            with _interrupts_deferred():
+                for r in ranks:
+                    r.kill()
+                deadline = time.monotonic() + 5.0
+                for r in ranks:
+                    r.terminate(deadline)
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                os.close(self._lock)
 
-    def _print_output(self, segment: int, printed: dict | None = None,
-                      wait_s: float = 5.0) -> None:
-        """Print the ranks' output of launch ``segment`` not yet printed, grouped by rank.
 
-        ``printed`` counts the lines already shown per (rank, stream) and is updated;
-        ``wait_s`` > 0 waits for each rank's end-of-launch mark first."""
-        printed = {} if printed is None else printed
-        for name, target in (("out", sys.stdout), ("err", sys.stderr)):
+# ---------------------------------------------------------------------- output
+
+
+class _Shown:
+    """The output of one launch, per rank and stream, printed grouped by rank and tagged
+    ``[rank r]``; what a terminal would show of carriage-return progress lines."""
+
+    def __init__(self, ranks):
+        self.ranks = list(ranks)
+        self.pending = {(r.rank, s): b"" for r in self.ranks for s in ("out", "err")}
+        self.kept = {key: [] for key in self.pending}
+
+    def collect(self, wait_s: float = 0.0) -> None:
+        """Read what every rank has written so far (waiting ``wait_s`` for stragglers)."""
+        if wait_s:
+            time.sleep(wait_s)
+        for r in self.ranks:
+            for s in ("out", "err"):
+                self.pending[r.rank, s] += getattr(r, s).take(drain=True)
+
+    def lines(self, rank: int, stream: str) -> list[str]:
+        data = self.pending[rank, stream]
+        return self.kept[rank, stream] + data.decode(errors="replace").splitlines()
+
+    def show(self, partial: bool, wait_s: float = 0.0) -> None:
+        """Print the complete lines read so far (and a last unfinished one if
+        ``partial``), stdout first, grouped by rank."""
+        self.collect(wait_s)
+        for s, target in (("out", sys.stdout), ("err", sys.stderr)):
             for r in self.ranks:
-                key = (r.rank, name)
-                new = getattr(r, name).lines(segment, printed.get(key, 0), wait_s)
-                printed[key] = printed.get(key, 0) + len(new)
-                for line in new:
-                    target.write(f"[rank {r.rank}] {line}")
+                data = self.pending[r.rank, s]
+                cut = len(data) if partial else data.rfind(b"\n") + 1
+                text, self.pending[r.rank, s] = data[:cut].decode(errors="replace"), data[cut:]
+                for line in text.splitlines():
+                    self.kept[r.rank, s].append(line)
+                    target.write(f"[rank {r.rank}] {_as_displayed(line)}\n")
             target.flush()
 
-    def close(self, graceful: bool = True) -> None:
-        """Stop the ranks: ask them to leave the group (``graceful``), then kill."""
-        for r in self.ranks if graceful else ():
-            if r.alive():
-                try:
-                    r.conn.send(("exit",))
-                except OSError:
-                    pass
-        deadline = time.monotonic() + (2.0 if graceful else 0.0)
-        for r in self.ranks:
-            r.proc.wait(max(0.0, deadline - time.monotonic()))
-            r.kill()
-        self.ranks = []
-        shutil.rmtree(self.workdir, ignore_errors=True)
+
+def _as_displayed(line: str) -> str:
+    """A line with carriage returns as a terminal leaves it: the last thing drawn."""
+    parts = [p for p in line.split("\r") if p]
+    return parts[-1] if parts else ""
 
 
 # ------------------------------------------------------------------------- helpers
 
 
-def _unpack(data: bytes):
-    import cloudpickle
-
-    return cloudpickle.loads(data)
+def _text(e, key: str) -> str:
+    """A field of a rank's error report, as text whatever the rank sent."""
+    value = e.get(key, "") if isinstance(e, dict) else ""
+    return value if isinstance(value, str) else repr(value)
 
 
 def _reported(iterable, total, desc, task):

@@ -20,7 +20,9 @@ import torch.distributed as dist
 def ps_sgd_step(params, grads, server: int, lr: float, group=None) -> None:
     """In place on every rank of ``group``: ``params -= lr * mean over ranks of grads``,
     computed on rank ``server`` (a global rank) and broadcast from it. ``grads`` are
-    left as they were."""
+    left as they were. A rank outside ``group`` returns at once, its tensors untouched."""
+    if group is not None and dist.get_rank(group) < 0:
+        return
     params, grads = list(params), list(grads)
     if len(params) != len(grads):
         raise ValueError(f"{len(params)} parameters but {len(grads)} gradients: pass one "

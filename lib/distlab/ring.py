@@ -13,14 +13,16 @@ chunks (as ``torch.tensor_split``: the first ``n % K`` are one element longer).
   completed, and receives chunk (r-t-1) mod K straight into place.
 
 Each rank sends 2(K-1) chunks, 2(K-1)/K of the buffer, whatever K is: the cost is
-2(K-1)·α + 2(K-1)/K·N·β (α per message, β per byte), which no all-reduce can beat in
-the bandwidth term.
+2(K-1)·α + 2(K-1)/K·N·β (α per message, β per byte). No all-reduce in which ranks
+add what they receive can send less (Patarasuk & Yuan); reduction inside the switch
+(NVLink SHARP, "NVLS"; InfiniBand SHARP) can, since the switch does the adding.
 
 This reference is written to be fast, not only right: every chunk is cut into pieces
-of at most :data:`PIECE_BYTES` that are pipelined (the receives of the next
-:data:`LOOKAHEAD` pieces are posted before the current one is reduced, and each piece
-goes on as soon as it is reduced), receives land straight in their final place when no
-addition is needed, the all-reduce works in place, and nothing is copied twice.
+(at most the backend's :data:`PIECE_BYTES_BY_BACKEND`) that are pipelined (a piece is
+added in :data:`LOOKAHEAD` exchanges after it was received, while the next ones are on
+the wire), receives land straight in their final place when no addition is needed,
+the all-reduce works in place, nothing is copied twice, and every rank issues the
+same sequence of grouped exchanges, which NCCL needs (see :class:`_Ring`).
 ``python -m distlab.ring_bench`` measures it against the backend's own all-reduce.
 
 :func:`record` runs the ring on K ranks and keeps every step's state, for the stepper
@@ -28,17 +30,22 @@ in :mod:`distlab.viz.ring`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import math
+import functools
 
 import torch
 import torch.distributed as dist
 
 from distlab.comm import CommLog
 
-PIECE_BYTES = 4 << 20  # pieces of a chunk that are pipelined; each message costs ~α
-LOOKAHEAD = 4          # receives posted ahead of the one being reduced
-GROUPED = None         # batch the calls as on NCCL (True), one by one (False), or by backend
+# The largest piece of a chunk, per backend. Each exchange of a piece costs a fixed
+# time: NCCL's ~10 us per group on the GPU, and on the host the Python that issues it
+# (tens of us), which must stay below the piece's transfer time or the GPU starves;
+# 64 MiB cross NVLink in ~190 us. gloo's per-message cost is ~1 ms of CPU.
+PIECE_BYTES_BY_BACKEND = {"nccl": 64 << 20, "gloo": 4 << 20}
+PIECE_BYTES: int | None = None  # overrides the backend's piece size (tests, experiments)
+LOOKAHEAD = 2                   # exchanges issued before a received piece is added in
 
 
 def chunks(tensor: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
@@ -55,13 +62,16 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
 # ------------------------------------------------------------------------ the API
 
 
-def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor | None:
     """This rank's chunk of the element-wise sum of ``tensor`` over the ranks of ``group``.
 
     Chunk r of the flattened tensor (``torch.tensor_split`` into K pieces), summed
     over ranks, as a new 1-D tensor; ``tensor`` itself is left unchanged. Point to
-    point only: K-1 steps, (K-1)/K of the buffer sent by each rank.
+    point only: K-1 steps, (K-1)/K of the buffer sent by each rank. A rank outside
+    ``group`` returns None at once (as torch.distributed's collectives do).
     """
+    if _outside(group):
+        return None
     flat = _flat(tensor, "ring_reduce_scatter")
     ring = _Ring(group)
     out = torch.empty(chunk_sizes(flat.numel(), ring.size)[ring.rank], dtype=flat.dtype,
@@ -71,12 +81,15 @@ def ring_reduce_scatter(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-def ring_all_gather(chunk: torch.Tensor, numel: int, group=None) -> torch.Tensor:
+def ring_all_gather(chunk: torch.Tensor, numel: int, group=None) -> torch.Tensor | None:
     """The full 1-D buffer of ``numel`` elements whose chunk r came from rank r.
 
     ``chunk`` is this rank's piece (``torch.tensor_split`` sizes); K-1 steps, (K-1)/K of
-    the buffer sent by each rank, every receive straight into its place.
+    the buffer sent by each rank, every receive straight into its place. A rank outside
+    ``group`` returns None at once.
     """
+    if _outside(group):
+        return None
     flat = _flat(chunk, "ring_all_gather")
     ring = _Ring(group)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
@@ -94,12 +107,15 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, group=None) -> torch.Tensor
     return out
 
 
-def ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor | None:
     """In place: ``tensor`` becomes the element-wise sum over the ranks of ``group``.
 
     A ring reduce-scatter then a ring all-gather on the tensor's own memory:
-    2(K-1) steps, 2(K-1)/K of the buffer sent by each rank. Returns ``tensor``.
+    2(K-1) steps, 2(K-1)/K of the buffer sent by each rank. Returns ``tensor``; a rank
+    outside ``group`` returns None at once, its tensor untouched.
     """
+    if _outside(group):
+        return None
     flat = _flat(tensor, "ring_allreduce")
     for _ in _Ring(group).allreduce(flat):
         pass
@@ -107,6 +123,11 @@ def ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the algorithm
+
+
+def _outside(group) -> bool:
+    """True on a rank that is not a member of ``group`` (torch says rank -1 there)."""
+    return group is not None and dist.get_rank(group) < 0
 
 
 def _flat(tensor, who: str) -> torch.Tensor:
@@ -121,119 +142,140 @@ def _flat(tensor, who: str) -> torch.Tensor:
 class _Ring:
     """This rank's place in the ring of ``group``, and the two phases as generators
     that yield after each of their K-1 steps (:func:`record` looks at the buffer
-    there; the API functions just run them to the end)."""
+    there; the API functions just run them to the end).
+
+    Each phase is a sequence of *exchanges*, the same on every rank: exchange g sends
+    piece g to the next rank and receives piece g from the previous one, as one
+    ``batch_isend_irecv`` (one NCCL group). So the g-th group a rank issues is matched
+    by the g-th group of each neighbour, which NCCL needs (:mod:`distlab.p2p_check`):
+    there a rank's P2P calls run in order on one stream, and a group ends only when all
+    of its operations have. What exchange g received is dealt with (waited for, and
+    added in) only once exchange g + ``lookahead`` has been issued, so that the link is
+    not idle while a piece is added; the piece sent in exchange g + P (P pieces a
+    chunk) is the one added after exchange g, hence lookahead < P.
+
+    On NCCL ``wait()`` does not block the host: it makes the compute stream wait for the
+    group, and torch makes each new group wait for the compute stream, so the additions
+    run on the GPU between transfers, overlapped with those in flight. On gloo
+    ``wait()`` blocks the host until the piece has landed, while the transfers already
+    issued go on.
+    """
 
     def __init__(self, group=None, lookahead: int | None = None):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        if self.rank < 0:
-            raise ValueError("this rank is not a member of the group it was given")
         ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
         self.next = ranks[(self.rank + 1) % self.size]   # global ranks, as send/recv want
         self.prev = ranks[(self.rank - 1) % self.size]
-        self.lookahead = lookahead or LOOKAHEAD
-        self.grouped = dist.get_backend(group) == "nccl" if GROUPED is None else GROUPED
-
-    def start(self, sends, recvs) -> tuple[list, list[list]]:
-        """Start sends to the next rank and receives from the previous one. Returns the
-        works of the sends, and for each receive the works to wait for before reading it.
-
-        On gloo each is a call of its own, so that waiting for a receive never waits for
-        a send (a gloo send completes only once its receiver has posted the receive).
-        On NCCL they go as one group (``batch_isend_irecv``): a send and a receive
-        between the same two GPUs (K = 2) share a stream, and issued one by one each
-        would wait for the other; there, waiting only orders streams, not the host."""
-        if not self.grouped:
-            return ([dist.isend(t, self.next, self.group) for t in sends],
-                    [[dist.irecv(t, self.prev, self.group)] for t in recvs])
-        ops = ([dist.P2POp(dist.isend, t, self.next, self.group) for t in sends] +
-               [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs])
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return works, [works] * len(recvs)
+        self.lookahead = LOOKAHEAD if lookahead is None else lookahead
+        self.piece_bytes = PIECE_BYTES or PIECE_BYTES_BY_BACKEND.get(
+            dist.get_backend(group), PIECE_BYTES_BY_BACKEND["gloo"])
 
     def chunk(self, step: int, offset: int) -> int:
         """Index of the chunk this rank handles at ``step`` with offset ``offset``."""
         return (self.rank - step - offset) % self.size
 
+    def pieces(self, flat: torch.Tensor) -> int:
+        """Pieces per chunk, the same on every rank: at most ``piece_bytes`` each, and at
+        least ``lookahead + 1`` as long as each keeps half of ``piece_bytes`` (so that
+        transfers and additions overlap where that does not cost more messages' worth)."""
+        biggest = -(-flat.numel() // self.size) * flat.element_size()
+        return max(1, -(-biggest // self.piece_bytes),
+                   min(self.lookahead + 1, 2 * biggest // self.piece_bytes))
+
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor | None = None):
         """Steps of the reduce-scatter of ``flat``. With ``out`` (this rank's chunk of the
         result), ``flat`` is only read and partial sums go to a work buffer; without it
         the partial sums accumulate in ``flat`` itself, whose chunk r ends up summed."""
-        K = self.size
-        if K == 1:
+        if self.size == 1:
             if out is not None:
                 out.copy_(flat)
             return
-        mine = chunks(flat, K)
-        if out is None:  # in place: receive into scratch, add into the buffer
-            piece = _piece_numel(flat)
-            scratch = [torch.empty(min(piece, mine[0].numel()), dtype=flat.dtype,
-                                   device=flat.device) for _ in range(self.lookahead)]
-        else:            # out of place: receive into a work buffer (or out), add ours to it
-            work = chunks(torch.empty_like(flat), K)
-        recvs = []       # (step, piece of mine, landing buffer) in the order they arrive
-        for s in range(K - 1):
-            c = self.chunk(s, 2)
-            for j, p in enumerate(_pieces(mine[c])):
-                if out is None:
-                    land = scratch[len(recvs) % self.lookahead][: p.numel()]
-                else:
-                    land = _pieces(out if s == K - 2 else work[c])[j]
-                recvs.append((s, p, land))
-        sends, posted = self.start(_pieces(mine[self.chunk(0, 1)]),
-                                   [land for _, _, land in recvs[: self.lookahead]])
-        for i, (s, p, land) in enumerate(recvs):
-            _wait(posted[i])
-            acc = p.add_(land) if out is None else land.add_(p)
-            if i + 1 == len(recvs) or recvs[i + 1][0] != s:
-                yield ("reduce-scatter", s + 1)
-            forward = [acc] if s < K - 2 else []
-            ahead = [recvs[i + self.lookahead][2]] if i + self.lookahead < len(recvs) else []
-            more_sends, more_recvs = self.start(forward, ahead)
-            sends += more_sends
-            posted += more_recvs
-        _wait(sends)
+        yield from self._run(self._reduce_scatter(flat, out), self.pieces(flat))
 
     def all_gather(self, flat: torch.Tensor):
         """Steps of the all-gather, in place: chunk r of ``flat`` is this rank's, the
         others are received straight into their place."""
-        K = self.size
-        if K == 1:
-            return
-        mine = chunks(flat, K)
-        recvs = [(t, p) for t in range(K - 1) for p in _pieces(mine[self.chunk(t, 1)])]
-        sends, posted = self.start(_pieces(mine[self.rank]), [p for _, p in recvs[: self.lookahead]])
-        for i, (t, p) in enumerate(recvs):
-            _wait(posted[i])
-            if i + 1 == len(recvs) or recvs[i + 1][0] != t:
-                yield ("all-gather", t + 1)
-            forward = [p] if t < K - 2 else []
-            ahead = [recvs[i + self.lookahead][1]] if i + self.lookahead < len(recvs) else []
-            more_sends, more_recvs = self.start(forward, ahead)
-            sends += more_sends
-            posted += more_recvs
-        _wait(sends)
+        if self.size > 1:
+            yield from self._run(self._all_gather(flat), self.pieces(flat))
 
     def allreduce(self, flat: torch.Tensor):
-        yield from self.reduce_scatter(flat)
-        yield from self.all_gather(flat)
+        """Both phases as one stream of exchanges (no pause between them)."""
+        if self.size > 1:
+            yield from self._run(self._reduce_scatter(flat, None) + self._all_gather(flat),
+                                 self.pieces(flat))
+
+    def _reduce_scatter(self, flat, out) -> list:
+        """The exchanges of the reduce-scatter: (send, receive into, then, step label)."""
+        K, P = self.size, self.pieces(flat)
+        mine = chunks(flat, K)
+        if out is None:  # in place: receive into scratch, add into the buffer
+            slots = min(self.lookahead, P - 1) + 1
+            width = torch.tensor_split(mine[0], P)[0].numel()
+            scratch = [torch.empty(width, dtype=flat.dtype, device=flat.device)
+                       for _ in range(slots)]
+        else:            # out of place: receive into a work buffer (or out), add ours to it
+            work = chunks(torch.empty_like(flat), K)
+        exchanges = []
+        for s in range(K - 1):
+            c_send, c_recv = self.chunk(s, 1), self.chunk(s, 2)
+            own = torch.tensor_split(mine[c_recv], P)
+            if out is None:
+                sends = torch.tensor_split(mine[c_send], P)
+                lands = [scratch[(s * P + j) % slots][: p.numel()] for j, p in enumerate(own)]
+                thens = [functools.partial(p.add_, land) for p, land in zip(own, lands)]
+            else:
+                sends = torch.tensor_split(mine[c_send] if s == 0 else work[c_send], P)
+                lands = torch.tensor_split(out if s == K - 2 else work[c_recv], P)
+                thens = [functools.partial(land.add_, p) for land, p in zip(lands, own)]
+            for j in range(P):
+                label = ("reduce-scatter", s + 1) if j == P - 1 else None
+                exchanges.append((sends[j], lands[j], thens[j], label))
+        return exchanges
+
+    def _all_gather(self, flat) -> list:
+        K, P = self.size, self.pieces(flat)
+        mine = chunks(flat, K)
+        exchanges = []
+        for t in range(K - 1):
+            sends = torch.tensor_split(mine[self.chunk(t, 0)], P)
+            lands = torch.tensor_split(mine[self.chunk(t, 1)], P)
+            for j in range(P):
+                label = ("all-gather", t + 1) if j == P - 1 else None
+                exchanges.append((sends[j], lands[j], None, label))
+        return exchanges
+
+    def _run(self, exchanges, pieces: int):
+        """Issue exchange g, then finish exchange g - lookahead: wait for its works, run
+        its ``then`` (the addition). Yields a step's label once its last exchange is
+        finished."""
+        lookahead = min(self.lookahead, pieces - 1)
+        pending = collections.deque()
+        for send, land, then, label in exchanges:
+            pending.append((self._exchange(send, land), then, label))
+            if len(pending) > lookahead:
+                yield from _finish(*pending.popleft())
+        while pending:
+            yield from _finish(*pending.popleft())
+
+    def _exchange(self, send: torch.Tensor, land: torch.Tensor) -> list:
+        """Send ``send`` to the next rank and receive ``land`` from the previous one, as
+        one group; empty pieces (of short chunks) are sent by neither side."""
+        ops = []
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, self.next, self.group))
+        if land.numel():
+            ops.append(dist.P2POp(dist.irecv, land, self.prev, self.group))
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _piece_numel(flat: torch.Tensor) -> int:
-    return max(1, PIECE_BYTES // flat.element_size())
-
-
-def _pieces(chunk: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A chunk cut into about-equal pieces of at most PIECE_BYTES (none if it is empty).
-    Sender and receiver cut the same chunk, so their pieces match."""
-    if chunk.numel() == 0:
-        return ()
-    return torch.tensor_split(chunk, math.ceil(chunk.numel() / _piece_numel(chunk)))
-
-
-def _wait(works) -> None:
-    for w in works:
-        w.wait()
+def _finish(works, then, label):
+    for work in works:  # each once: a second wait() of a gloo P2P work never returns
+        work.wait()
+    if then is not None:
+        then()
+    if label is not None:
+        yield label
 
 
 # ------------------------------------------------------- what a ring's traffic is
@@ -255,13 +297,18 @@ def bytes_sent(op: str, numel: int, element_size: int, rank: int, world_size: in
     return per_op[op] * element_size
 
 
-def check_traffic(log: CommLog, op: str, numel: int, element_size: int, group=None) -> str | None:
-    """The first way this rank's ``log`` of one ring ``op`` differs from a ring, in plain
-    words (None when it is one): no collective; sends only to one neighbour and
-    receives only from the other; a message per step at least (K-1 steps per phase),
-    at most one chunk per message; the bytes of :func:`bytes_sent`."""
-    rank, K = dist.get_rank(group), dist.get_world_size(group)
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+def check_traffic(log: CommLog, op: str, numel: int, element_size: int,
+                  ranks: list[int] | None = None) -> str | None:
+    """The first way the ``log`` of one ring ``op`` made by rank ``log.rank`` differs from
+    a ring, in plain words (None when it is one): no collective; sends only to one
+    neighbour and receives only from the other; a message per step at least (K-1 steps
+    per phase), at most one chunk per message; the bytes of :func:`bytes_sent`.
+
+    ``ranks``: the global ranks of the ring's group, in group order (default: every rank
+    of the default group, which needs torch.distributed); pure otherwise, so that it
+    can judge a log that came back from a rank."""
+    ranks = list(ranks) if ranks is not None else dist.get_process_group_ranks(dist.group.WORLD)
+    rank, K = ranks.index(log.rank), len(ranks)
     used = sorted({e.op for e in log.collectives()})
     if used:
         return (f"it called {', '.join(used)} (a collective); a ring uses only point-to-point "
@@ -370,7 +417,7 @@ def _record_rank(numel: int):
     states, calls, steps = [flat.clone()], [[]], []
     with CommLog() as log:
         seen = 0
-        for step in _Ring(lookahead=1).allreduce(flat):
+        for step in _Ring(lookahead=0).allreduce(flat):
             steps.append(step)
             states.append(flat.clone())
             calls.append([(e.op, e.peer, e.nbytes) for e in log.events[seen:]])

@@ -2,20 +2,24 @@
 
     python -m distlab.ring_bench                       # 4 gloo ranks, 64 KiB .. 64 MiB
     python -m distlab.ring_bench --op reduce_scatter   # ring vs the backend's reduce-scatter
-    python -m distlab.ring_bench --backend nccl --world-size 2 --max-bytes 1G
+    python -m distlab.ring_bench --backend nccl --world-size 2 -b 64M -e 1G -f 2
+    python -m distlab.ring_bench ... --pieces 16M,256M # the reference with other piece sizes
 
 Three contenders per size: the backend's collective, :func:`plain_ring_allreduce` (the
 straightforward ring: a fresh buffer per step, ``+=``, a copy back at the end) and the
 reference :mod:`distlab.ring` (pipelined pieces, receives in place, no needless copies).
 They run interleaved, round after round, so that a machine whose speed drifts (a busy
-laptop, a shared CI box) slows all of them alike; each ratio is the median over rounds
-of ``time(backend) / time(contender)``, i.e. the contender's busbw over the backend's.
-busbw follows nccl-tests (:func:`distlab.comm.bus_factor`).
+laptop, a shared CI box) slows all of them alike; in each round a contender's time per
+call is that of a few calls back to back (:func:`distlab.bench.time_op`), and each
+ratio is the median over rounds of ``time(backend) / time(contender)``, i.e. the
+contender's busbw over the backend's. busbw follows nccl-tests
+(:func:`distlab.comm.bus_factor`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 
 import torch
@@ -23,9 +27,9 @@ import torch.distributed as dist
 
 from distlab import backend as backends
 from distlab import launch, ring
-from distlab.bench import time_op
 from distlab import comm
-from distlab.comm import bus_factor
+from distlab.bench import parse_size, sizes, time_op
+from distlab.comm import bus_factor, human_bytes, size_label
 
 OPS = ("all_reduce", "reduce_scatter")
 DEFAULT_SIZES = tuple(1 << k for k in range(16, 27, 2))  # 64 KiB .. 64 MiB
@@ -65,7 +69,7 @@ def _backend_reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
         raise ValueError(f"the backend's reduce_scatter_tensor needs a size divisible by "
                          f"{K}, got {x.numel()} elements")
     out = torch.empty(x.numel() // K, dtype=x.dtype, device=x.device)
-    comm.reduce_scatter_into(out, x, group=group)
+    comm.untraced(comm.single_tensor_op("reduce_scatter"))(out, x, group=group)
     return out
 
 
@@ -75,7 +79,8 @@ def _allreduce_then_chunk(x: torch.Tensor, group=None) -> torch.Tensor:
     return torch.tensor_split(x, dist.get_world_size(group))[dist.get_rank(group)]
 
 
-BACKEND = {"all_reduce": dist.all_reduce, "reduce_scatter": _backend_reduce_scatter}
+# The backend untraced (comm.untraced): its time is the backend's, with no bookkeeping.
+BACKEND = {"all_reduce": comm.untraced(dist.all_reduce), "reduce_scatter": _backend_reduce_scatter}
 CONTENDERS = {
     "all_reduce": {"plain ring": plain_ring_allreduce, "reference ring": ring.ring_allreduce},
     "reduce_scatter": {"reference ring": ring.ring_reduce_scatter,
@@ -132,9 +137,12 @@ class Result:
 
 def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
             backend: str = "gloo", rounds: int = 7, dtype: str = "float32",
-            contenders: dict | None = None, timeout: float = 600) -> Result:
+            contenders: dict | None = None, timeout: float = 600,
+            iters: int | None = None) -> Result:
     """Time the backend's ``op`` and each contender (name -> ``fn(tensor)``, run on every
-    rank; default: :data:`CONTENDERS`) at each size, interleaved over ``rounds`` rounds.
+    rank; default: :data:`CONTENDERS`) at each size, interleaved over ``rounds`` rounds,
+    each a run of ``iters`` calls back to back (default: 5 on NCCL, where one call is
+    short, 1 elsewhere).
 
     Every contender's answer is first checked against the backend's: a wrong answer
     has no speed. Functions defined in a notebook can be contenders."""
@@ -142,13 +150,23 @@ def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     contenders = CONTENDERS[op] if contenders is None else contenders
     name = backends.choose(world_size, backend)
+    iters = iters or (5 if name == "nccl" else 1)
     runs = launch.run(_measure_rank, world_size, op, list(sizes), rounds, dtype, contenders,
-                      backend=name, timeout=timeout)
+                      iters, backend=name, timeout=timeout)
     measured, seconds, ratio = runs[0]
     return Result(op, world_size, name, dtype, measured, seconds, ratio)
 
 
-def _measure_rank(op, sizes, rounds, dtype, contenders):
+def ring_with_pieces(piece_bytes: int, tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The reference ring all-reduce with pieces of at most ``piece_bytes``."""
+    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, piece_bytes
+    try:
+        return ring.ring_allreduce(tensor, group)
+    finally:
+        ring.PIECE_BYTES = saved
+
+
+def _measure_rank(op, sizes, rounds, dtype, contenders, iters):
     K, device = dist.get_world_size(), backends.device()
     dt = getattr(torch, dtype)
     fns = {"backend": BACKEND[op], **contenders}
@@ -165,7 +183,7 @@ def _measure_rank(op, sizes, rounds, dtype, contenders):
         for k in range(rounds + 1):
             order = list(fns)[k % len(fns):] + list(fns)[: k % len(fns)]
             for n in order:
-                t = time_op(lambda: fns[n](x), warmup=0, iters=1)
+                t = time_op(lambda: fns[n](x), warmup=0, iters=iters)
                 if k:  # round 0 is the warm-up
                     times[n].append(t)
         for n in fns:
@@ -173,6 +191,32 @@ def _measure_rank(op, sizes, rounds, dtype, contenders):
         for n in ratio:
             ratio[n].append(statistics.median(b / t for b, t in zip(times["backend"], times[n])))
     return measured, seconds, ratio
+
+
+# Odd lengths from 1 element to 1 GiB of float32 (1 B, 3 B, ... in uint8), for --check.
+CHECK_CASES = ([(n, "uint8") for n in (1, 3, 1025)] +
+               [(n, "float32") for n in (1, 2, 3, 7, 4097, (1 << 20) + 3, (16 << 20) + 1,
+                                          (64 << 20) - 1, (256 << 20) + 3)] +
+               [((32 << 20) + 5, "bfloat16")])
+
+
+def check(world_size: int = 2, backend: str = "auto", cases=CHECK_CASES,
+          timeout: float = 600) -> list[str]:
+    """The reference ring all-reduce against the backend's, on ``cases`` (numel, dtype
+    name); the failures, in words (empty when every answer is exact)."""
+    return launch.run(_check_rank, world_size, list(cases), backend=backends.choose(
+        world_size, backend), timeout=timeout)[0]
+
+
+def _check_rank(cases):
+    fns = {"backend": BACKEND["all_reduce"], "reference ring": ring.ring_allreduce}
+    failures = []
+    for numel, dtype in launch.progress(cases, desc="ring all_reduce sizes"):
+        try:
+            _check("all_reduce", fns, numel, getattr(torch, dtype), backends.device())
+        except AssertionError as exc:
+            failures.append(str(exc))
+    return failures
 
 
 def _check(op, fns, numel, dt, device):
@@ -186,53 +230,58 @@ def _check(op, fns, numel, dt, device):
         answers[n] = y if op == "all_reduce" else out
     for n, got in answers.items():
         if not torch.equal(got, answers["backend"]):
-            raise AssertionError(f"{n} gives a wrong {op} of {numel} elements; fix it "
-                                 f"before timing it")
-
-
-def size_label(nbytes: int) -> str:
-    """64 KiB, 16 MiB, ..."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:g} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+            raise AssertionError(f"{n} gives a wrong {op} of {numel} {str(dt)[6:]} elements; "
+                                 f"fix it before timing it")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m distlab.ring_bench", description=__doc__.split("\n")[0])
     p.add_argument("--op", choices=OPS, default="all_reduce")
-    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("-n", "--world-size", type=int, default=4)
     p.add_argument("--backend", default="gloo", choices=("auto", "gloo", "nccl", "rccl"))
-    p.add_argument("--min-bytes", type=_bytes, default=DEFAULT_SIZES[0])
-    p.add_argument("--max-bytes", type=_bytes, default=DEFAULT_SIZES[-1])
+    p.add_argument("-b", "--min-bytes", type=parse_size, default=DEFAULT_SIZES[0])
+    p.add_argument("-e", "--max-bytes", type=parse_size, default=DEFAULT_SIZES[-1])
+    p.add_argument("-f", "--factor", type=int, default=4, help="size multiplier per step")
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iters", type=int, default=None,
+                   help="calls back to back per round (default: 5 on NCCL, else 1)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--plot", default="build/ring_bench.png", help="where to save the figure ('' for none)")
+    p.add_argument("--pieces", default="", help="all_reduce: also the reference ring with "
+                   "these largest pieces, e.g. 16M,256M")
+    p.add_argument("--out", default="build/ring_bench", help="folder for the figure and "
+                   "ring_bench.json ('' for none)")
+    p.add_argument("--check", action="store_true", help="only check the reference ring "
+                   "all-reduce against the backend's, 1 B to 1 GiB, odd lengths")
     a = p.parse_args(argv)
-    sizes = []
-    size = a.min_bytes
-    while size <= a.max_bytes:
-        sizes.append(size)
-        size *= 4
     from distlab import ring_bench  # not __main__: the ranks import it rather than unpickle it
 
-    result = ring_bench.measure(a.op, sizes, a.world_size, a.backend, a.rounds, a.dtype)
+    if a.check:
+        failures = ring_bench.check(a.world_size, a.backend)
+        print("\n".join(failures) or f"the ring all-reduce equals the backend's on "
+              f"{a.world_size} ranks: {', '.join(f'{n} x {d}' for n, d in CHECK_CASES)}")
+        return 1 if failures else 0
+
+    contenders = dict(CONTENDERS[a.op])
+    for text in filter(None, a.pieces.split(",")):
+        if a.op != "all_reduce":
+            p.error("--pieces compares piece sizes of the ring all-reduce (--op all_reduce)")
+        contenders[f"reference ring, {human_bytes(parse_size(text))} pieces"] = \
+            functools.partial(ring_bench.ring_with_pieces, parse_size(text))
+    result = ring_bench.measure(a.op, sizes(a.min_bytes, a.max_bytes, a.factor), a.world_size,
+                                a.backend, a.rounds, a.dtype, contenders, iters=a.iters)
     print(result.table())
-    if a.plot:
+    if a.out:
+        import json
         import os
 
         from distlab.viz.ring import plot_bench
 
-        os.makedirs(os.path.dirname(a.plot) or ".", exist_ok=True)
-        plot_bench(result).savefig(a.plot, dpi=120, bbox_inches="tight")
-        print(f"figure: {a.plot}")
+        os.makedirs(a.out, exist_ok=True)
+        plot_bench(result).savefig(os.path.join(a.out, "ring_bench.png"), dpi=120,
+                                   bbox_inches="tight")
+        with open(os.path.join(a.out, "ring_bench.json"), "w") as f:
+            json.dump(dataclasses.asdict(result), f, indent=1)
+        print(f"wrote {a.out}/ring_bench.png, ring_bench.json")
     return 0
 
 

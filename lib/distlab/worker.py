@@ -2,9 +2,16 @@
 
 It joins the process group once, then runs the functions the launcher sends it, one
 launch after another, and answers each with the result or the error. The launcher
-owns its life: the worker dies with the launcher (PR_SET_PDEATHSIG on Linux, and EOF
-on its channel everywhere), and dumps its Python stack on SIGUSR1 so that a hang can
-be explained.
+owns its life: the worker dies with its parent (PR_SET_PDEATHSIG on Linux, and EOF on
+its channel everywhere), and dumps its Python stack on SIGUSR1 so that a hang can be
+explained.
+
+Everything the worker sends the launcher is plain data (:mod:`distlab.plain`), so a
+rank running untrusted code cannot make the launcher run code. Results themselves
+travel pickled (cloudpickle, any object) unless the pool is a sandbox
+(``DISTLAB_PLAIN=1``, the autograder), where they are plain data too. Output goes
+straight to the launcher's pipes; the end of a launch is signalled on the channel,
+never in the output stream.
 """
 from __future__ import annotations
 
@@ -18,9 +25,7 @@ import sys
 import time
 import traceback
 
-# After each launch a worker writes this line to stdout and stderr, so the launcher
-# knows it has read all the output that belongs to that launch.
-MARK = "\x00distlab-end-of-launch\x00"
+from distlab import plain
 
 current: "Task | None" = None  # the launch this process is running, if any
 
@@ -39,16 +44,21 @@ class Task:
         now = time.monotonic()
         if self.rank == 0 and (final or now - self._last_progress >= self.PROGRESS_INTERVAL):
             self._last_progress = now
-            self.conn.send(("progress", self.task_id, desc, n, total))
+            send(self.conn, ("progress", self.task_id, str(desc), int(n),
+                             None if total is None else int(total), bool(final)))
+
+
+def send(conn, message) -> None:
+    conn.send_bytes(plain.dumps(message))
 
 
 def _die_with_parent(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with the launcher
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with the parent
     except (OSError, AttributeError):  # not Linux: EOF on the channel still ends us
         pass
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
@@ -64,21 +74,24 @@ def _to_cpu(obj):
     return obj
 
 
-def describe_error(exc: BaseException, skip_frames: int = 1) -> dict:
-    """A picklable account of ``exc``: type, message, traceback without our frames."""
-    import cloudpickle
-
+def describe_error(exc: BaseException, skip_frames: int = 1, with_object: bool = True) -> dict:
+    """A plain account of ``exc``: type, message, traceback without our frames, and (when
+    ``with_object``) the exception itself pickled, for a caller that trusts this process."""
     tb = traceback.TracebackException.from_exception(exc)
     tb.stack = traceback.StackSummary.from_list(list(tb.stack)[skip_frames:])
-    try:
-        original = cloudpickle.dumps(exc)
-    except Exception:  # an exception that cannot travel still has its text
-        original = None
+    original = None
+    if with_object:
+        import cloudpickle
+
+        try:
+            original = cloudpickle.dumps(exc)
+        except Exception:  # an exception that cannot travel still has its text
+            pass
     return {"type": type(exc).__name__, "message": str(exc),
             "traceback": "".join(tb.format()), "exc": original}
 
 
-def _run(task: Task, payload: bytes) -> tuple:
+def _run(task: Task, payload: bytes, sandbox: bool) -> tuple:
     import cloudpickle
 
     global current
@@ -90,17 +103,25 @@ def _run(task: Task, payload: bytes) -> tuple:
         fn, args, kwargs = cloudpickle.loads(data)
         result = fn(*args, **kwargs)
     except BaseException as exc:  # the student's code may raise anything, even SystemExit
-        return ("done", task.task_id, False, describe_error(exc, skip_frames=1))
+        return False, describe_error(exc, skip_frames=1, with_object=not sandbox)
     finally:
         current = None
     try:
-        return ("done", task.task_id, True, cloudpickle.dumps(_to_cpu(result)))
+        return True, (plain.dumps if sandbox else cloudpickle.dumps)(_to_cpu(result))
     except Exception as exc:
-        return ("done", task.task_id, False, {
-            "type": "UnpicklableResult", "exc": None, "traceback": "",
-            "message": f"the function returned a {type(result).__name__}, which cannot be "
-                       f"sent back to the launcher ({exc}). Return tensors, numbers, strings "
-                       f"or plain lists/dicts of them."})
+        allowed = ("Return tensors, numbers, strings or lists/tuples/dicts of them." if sandbox
+                   else "Return tensors, numbers, strings or plain lists/dicts of them.")
+        return False, {"type": "UnpicklableResult", "exc": None, "traceback": "",
+                       "message": f"the function returned a {type(result).__name__}, which "
+                                  f"cannot be sent back to the launcher ({exc}). {allowed}"}
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def main() -> None:
@@ -111,6 +132,7 @@ def main() -> None:
 
     conn = Connection(int(env["DISTLAB_FD"]))
     workdir = env["DISTLAB_DIR"]
+    sandbox = env.get("DISTLAB_PLAIN") == "1"
     stacks = open(os.path.join(workdir, f"stack-{rank}.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     with open(os.path.join(workdir, f"status-{rank}"), "r+b") as f:
@@ -137,9 +159,7 @@ def main() -> None:
     dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=world_size, device_id=device)
     board.post("idle")
-    for stream in (sys.stdout, sys.stderr):
-        print(MARK, file=stream, flush=True)
-    conn.send(("ready", rank, os.getpid()))
+    send(conn, ("ready", rank, os.getpid()))
 
     while True:
         try:
@@ -156,12 +176,18 @@ def main() -> None:
             pass
         board.post("running the launched function")
         task = Task(task_id, dist.PrefixStore(f"task{task_id}", store), conn, rank)
-        reply = _run(task, payload)
+        ok, answer = _run(task, payload, sandbox)
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-            print(MARK, file=stream, flush=True)
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # the function closed or replaced it
+                pass
         board.post("idle")
-        conn.send(reply)
+        group_kept = dist.is_initialized()
+        send(conn, ("done", task_id, ok, answer,
+                    {"rss": _resident_bytes(), "group": group_kept}))
+        if not group_kept:  # the function left the group: this rank cannot be reused
+            break
     if dist.is_initialized():
         dist.destroy_process_group()
     os._exit(0)

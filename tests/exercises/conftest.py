@@ -1,27 +1,46 @@
 """Autograder tests: one file per exercise, named ``test_<grade_id>.py``.
 
 Each file sets ``NOTEBOOK`` (e.g. ``"03_ring_allreduce"``) and takes the ``student``
-fixture: the module of exercise cells that ``python -m distlab.grade`` extracted from
-the student's notebook (path in ``DISTLAB_STUDENT``), or, when a developer runs
-``pytest tests/exercises``, the one extracted from ``solutions/``.
+fixture: the exercise cells that ``python -m distlab.grade`` extracted from the
+student's notebook (path in ``DISTLAB_STUDENT``), or, when a developer runs
+``pytest tests/exercises``, the ones extracted from ``solutions/``.
+
+The student's code is untrusted (see :mod:`distlab.sandbox`), so this process never
+imports it:
+
+* ``student.NAME`` is a reference. Passed to ``launch.run`` it becomes the student's
+  function or class inside the ranks; called here, it runs in a sandboxed one-rank
+  launch (pure functions of plain data only).
+* Launched functions return plain data (tensors, numbers, strings, lists/tuples/dicts
+  of them; a CommLog as ``log.records()``); every check runs here, on what came back.
+* A student's exception comes back as ``launch.RankError`` (``.exc_type``), or, from a
+  direct call, as the builtin exception of the same class.
 
 Tiers: unmarked tests run everywhere (gloo on CPU); ``@pytest.mark.gpu`` needs a GPU,
 ``@pytest.mark.multigpu`` two or more. Where the machine lacks them the test is
 skipped (tests/conftest.py) with a reason that starts with "blocked", which the grader
-reports as such.
-Assertion messages are what the student reads: say what was wrong in plain words.
+reports as such. Assertion messages are what the student reads: say what was wrong in
+plain words.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import cloudpickle
 import pytest
 
+from distlab.sandbox import Student
+
 ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("DISTLAB_SANDBOX", "1")  # ranks answer in plain data, as when graded
+
+
+def pytest_collection_finish(session):
+    """The ranks get the tests' own helper functions by value (they may not be able to
+    import the test files)."""
+    for module in {item.module for item in session.items if hasattr(item, "module")}:
+        cloudpickle.register_pickle_by_value(module)
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +53,15 @@ def student(request, tmp_path_factory):
         from distlab import notebook
 
         nb = nbformat.read(ROOT / "solutions" / f"{name}.ipynb", as_version=4)
-        path = tmp_path_factory.mktemp("student") / f"student_{name}.py"
+        folder = tmp_path_factory.mktemp("student")
+        folder.chmod(0o755)
+        path = folder / f"student_{name}.py"
         path.write_text(notebook.module_source(nb))
-    module_name = f"student_{name}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    cloudpickle.register_pickle_by_value(module)  # ranks get the student's code by value
-    return module
+        path.chmod(0o644)
+    if str(path) not in _imported:  # once per module, in a sandboxed rank
+        Student(path).check_import()
+        _imported.add(str(path))
+    return Student(path)
+
+
+_imported: set[str] = set()

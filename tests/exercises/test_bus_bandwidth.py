@@ -49,3 +49,17 @@ def test_units_are_bytes_per_second(student):
 def test_unknown_op_is_an_error(student):
     with pytest.raises(ValueError):
         student.bus_bandwidth("all_to_everyone", NBYTES, SECONDS, 4)
+
+
+def test_no_ranks_is_an_error(student):
+    for n in (0, -2):
+        try:
+            got = student.bus_bandwidth("all_reduce", NBYTES, SECONDS, n)
+        except ValueError:
+            continue
+        except Exception as exc:
+            raise AssertionError(f"bus_bandwidth('all_reduce', ..., world_size={n}) raised "
+                                 f"{type(exc).__name__}; raise ValueError for a world_size "
+                                 f"below 1") from None
+        raise AssertionError(f"bus_bandwidth('all_reduce', ..., world_size={n}) returned "
+                             f"{got!r}; raise ValueError for a world_size below 1")

@@ -1,8 +1,8 @@
-"""Plots of measured bandwidth: busbw and time per call against message size (with the
-alpha-beta fit), and the time of a training step against the number of ranks (lab 02)."""
+"""Plots of measured bandwidth: busbw and time per op against message size (with the
+alpha-beta fit, :mod:`distlab.alphabeta`), and the time of a training step against the
+number of ranks (lab 02). matplotlib is imported where a figure is drawn."""
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import numpy as np
 
 
@@ -26,7 +26,7 @@ def _label(nbytes: float) -> str:
 def plot_busbw(rows, fits=None, title: str = "", ax=None, logy: bool = True):
     """busbw (GB/s) against size, both on log scales (``logy=False`` for a linear
     y-axis), one line per op; dashed: the alpha-beta fit of each op
-    (``distlab.bench.fits(rows)`` when ``fits`` is None). On log-log axes the latency
+    (``distlab.alphabeta.fits(rows)`` when ``fits`` is None). On log-log axes the latency
     regime is a straight line of slope 1 (busbw grows with the size) and the bandwidth
     regime a plateau."""
     def fitted(fit, size, first):
@@ -39,24 +39,29 @@ def plot_busbw(rows, fits=None, title: str = "", ax=None, logy: bool = True):
 
 
 def plot_times(rows, fits=None, title: str = "", ax=None):
-    """Time per call (us) against size on log-log axes, one line per op; dashed: the
+    """Time per op (us) against size on log-log axes, one line per op; dashed: the
     alpha-beta fit ``alpha + size / bandwidth`` (flat where latency dominates, slope 1
-    where bandwidth does)."""
+    where bandwidth does); dotted, where measured: one call waited for (``each``), whose
+    gap to the line is the cost of launching a call and of waiting for it."""
     return _per_op(rows, fits, ax, lambda r: r.seconds * 1e6,
-                   lambda fit, size, first: fit.seconds(size) * 1e6, "time per call (us)",
-                   title or "time per call", True)
+                   lambda fit, size, first: fit.seconds(size) * 1e6, "time per op (us)",
+                   title or "time per op", True,
+                   waited=lambda r: None if r.each is None else r.each * 1e6)
 
 
-def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool):
-    """One line per op of ``value(row)`` against size, and dashed, ``fitted(fit, sizes,
-    first row)`` from each op's alpha-beta fit."""
+def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool,
+            waited=None):
+    """One line per op of ``value(row)`` against size, dashed, ``fitted(fit, sizes,
+    first row)`` from each op's alpha-beta fit, and dotted ``waited(row)`` where it is
+    not None."""
+    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    from distlab import bench
+    from distlab import alphabeta
 
-    fits = bench.fits(rows) if fits is None else fits
+    fits = alphabeta.fits(rows) if fits is None else fits
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 4))
-    drew_fit = False
+    drew_fit = drew_waited = False
     for op in dict.fromkeys(r.op for r in rows):
         mine = [r for r in rows if r.op == op]
         size = np.array([r.size for r in mine], dtype=float)
@@ -66,6 +71,10 @@ def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool):
         if curve is not None:
             ax.plot(grid, curve, "--", color=line.get_color(), lw=1, alpha=0.7)
             drew_fit = True
+        points = [(r.size, waited(r)) for r in mine if waited and waited(r) is not None]
+        if points:
+            ax.plot(*zip(*points), ":", color=line.get_color(), lw=1.2)
+            drew_waited = True
     sizes = [r.size for r in rows]
     _size_axis(ax, min(sizes), max(sizes))
     if logy:
@@ -77,6 +86,9 @@ def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool):
     if drew_fit:
         handles.append(Line2D([], [], color="gray", ls="--", lw=1))
         labels.append("alpha-beta fit")
+    if drew_waited:
+        handles.append(Line2D([], [], color="gray", ls=":", lw=1.2))
+        labels.append("1 call, waited for")
     ax.legend(handles, labels, fontsize=8)
     return fig
 
@@ -84,6 +96,8 @@ def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool):
 def plot_step_times(workers, series: dict, nbytes: int, title: str = "", ax=None):
     """Time per step (ms) against the number of ranks W, one of which is also the
     server, one line per method (``series``: name -> seconds per rank count)."""
+    import matplotlib.pyplot as plt
+
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(6, 4))
     for name, seconds in series.items():
         ax.plot(workers, [s * 1e3 for s in seconds], "o-", label=name)

@@ -1,0 +1,113 @@
+"""The autograder's sandbox: containment of a process tree, the plain-data codec, the
+student's module seen from outside, and the unprivileged user."""
+import os
+import sys
+import uuid
+
+import pytest
+import torch
+
+from distlab import plain, sandbox
+
+_SPAWN = """
+import subprocess, sys, time
+for _ in range(3):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1]],
+                     start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print("spawned", flush=True)
+if sys.argv[2] == "hang":
+    time.sleep(600)
+"""
+
+
+def _alive_with(mark: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    data = f.read()
+                with open(f"/proc/{entry}/stat") as f:
+                    zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+            except OSError:
+                continue
+            if mark.encode() in data and not zombie:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("mode", ["pidns", "subreaper"])
+@pytest.mark.parametrize("ending", ["exit", "hang"])
+def test_nothing_a_contained_command_started_outlives_it(monkeypatch, tmp_path, mode, ending):
+    if mode == "pidns" and sandbox.containment() != "pidns":
+        pytest.skip("no PID namespace here (needs root on Linux)")
+    monkeypatch.setenv("DISTLAB_CONTAIN", mode)
+    sandbox.containment.cache_clear()
+    try:
+        mark = f"distlab-contain-{uuid.uuid4().hex[:8]}"
+        script = tmp_path / "spawn.py"
+        script.write_text(_SPAWN)
+        code, out = sandbox.run_contained([sys.executable, str(script), mark, ending],
+                                          env=dict(os.environ), cwd=tmp_path,
+                                          timeout=10 if ending == "hang" else 60)
+    finally:
+        sandbox.containment.cache_clear()
+    assert "spawned" in out
+    assert (code is None) == (ending == "hang"), (code, out)
+    assert _alive_with(mark) == [], f"detached processes outlived the contained command ({mode})"
+
+
+def test_plain_data_round_trips_and_nothing_else_travels():
+    value = {"loss": 2.5, 3: [1, True, None, "x", b"\x00\xff"], "nan": float("nan"),
+             "big": 2 ** 70, "t": (torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+                                   torch.zeros(0, 4), torch.tensor([True, False])),
+             "dtype": torch.float16, "size": torch.Size([2, 3])}
+    back = plain.loads(plain.dumps(value))
+    assert back["loss"] == 2.5 and back[3] == [1, True, None, "x", b"\x00\xff"]
+    assert back["nan"] != back["nan"] and back["big"] == 2 ** 70
+    assert torch.equal(back["t"][0], value["t"][0]) and back["t"][0].dtype == torch.bfloat16
+    assert back["t"][1].shape == (0, 4) and back["t"][2].tolist() == [True, False]
+    assert back["dtype"] is torch.float16 and back["size"] == (2, 3)
+    with pytest.raises(plain.PlainDataError, match="only None, bool"):
+        plain.dumps({"fn": print})
+    with pytest.raises(plain.PlainDataError, match="dict keys"):
+        plain.dumps({(1, 2): 3})
+
+
+@pytest.mark.parametrize("forged", [
+    b"\x00" * 3, b"\xff" * 8 + b"{}", b"\x01\x00\x00\x00\x00\x00\x00\x00[",
+    b"\x2b\x00\x00\x00\x00\x00\x00\x00" + b'{"tensor": ["float32", [4], 0, 16]}',
+    b"\x1c\x00\x00\x00\x00\x00\x00\x00" + b'{"pickle": "cos\\nsystem\\n"}'])
+def test_forged_plain_data_is_refused(forged):
+    with pytest.raises(plain.PlainDataError):
+        plain.loads(forged)
+
+
+def test_the_students_module_is_read_not_run(tmp_path):
+    module = tmp_path / "student.py"
+    module.write_text("raise SystemExit('ran at import')\n\ndef f(x):\n    return x + 1\n"
+                      "class Layer:\n    pass\nTABLE = 3\n")
+    student = sandbox.Student(module)
+    assert student.names == {"f", "Layer", "TABLE"}
+    assert repr(student.f) == "<the student's f>"
+    with pytest.raises(AttributeError, match="defines no 'g'"):
+        student.g
+
+
+def test_a_direct_call_runs_sandboxed_and_raises_the_same_builtin(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTLAB_SANDBOX", "1")
+    module = tmp_path / "student.py"
+    module.write_text("import os\n\ndef pid(x):\n    return os.getpid(), x * 2\n\n"
+                      "def picky(x):\n    raise ValueError(f'bad {x}')\n")
+    student = sandbox.Student(module)
+    pid, doubled = student.pid(21)
+    assert pid != os.getpid() and doubled == 42
+    with pytest.raises(ValueError, match="bad 7"):
+        student.picky(7)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root changes user")
+def test_root_finds_an_unprivileged_user_that_can_still_import():
+    user, why = sandbox.unprivileged_user()
+    assert user and user.split(":")[0] != "0", why

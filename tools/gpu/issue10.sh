@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 10 on two NVLink GPUs (nvidia-h200-x2), from the repository root, in ~3-5 minutes:
+#   1. nccl-tests' six *_perf binaries, 8 B .. 1 GiB (if built in /tmp/nt by .ncclt/build.sh);
+#   2. python -m distlab.bench at 2 NCCL ranks, the same sizes, side by side with (1),
+#      back to back as nccl-tests times, then again in a CUDA graph (no host cost per call);
+#   3. python -m distlab.ring_bench: the reference ring against NCCL's all_reduce, busbw,
+#      64 MiB .. 1 GiB, with other piece sizes beside the default;
+#   4. the ring's correctness at world size 2, 1 B .. 1 GiB, odd lengths;
+#   5. the multigpu tests of the ring and the bench.
+# Everything lands in $OUT (default /tmp/issue10): *.txt logs, JSON and PNG figures.
+set -u
+OUT=${OUT:-/tmp/issue10}
+PY=${PY:-python}
+export PYTHONPATH="$PWD/lib${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0
+mkdir -p "$OUT"
+SIZES=(-b 8 -e 1G -f 2)
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+REF=()
+if [ -x /tmp/nt/all_reduce_perf ]; then
+  step "nccl-tests, 2 GPUs in one process"
+  NH=$($PY -c "import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])" 2>/dev/null)
+  [ -n "$NH" ] && export LD_LIBRARY_PATH="$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  mkdir -p "$OUT/nccl-tests"
+  for op in all_reduce all_gather reduce_scatter broadcast reduce sendrecv; do
+    timeout 120 /tmp/nt/${op}_perf "${SIZES[@]}" -g 2 > "$OUT/nccl-tests/${op}_perf.txt" 2>&1
+    echo "$op: exit $?, $(grep 'Avg bus bandwidth' "$OUT/nccl-tests/${op}_perf.txt")"
+  done
+  REF=(--nccl-tests "$OUT/nccl-tests")
+else
+  echo "no /tmp/nt/all_reduce_perf: build nccl-tests with .ncclt/build.sh for the side-by-side table"
+fi
+
+step "distlab.bench, 2 NCCL ranks, back to back"
+timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" ${REF[@]+"${REF[@]}"} \
+  --out "$OUT/bench" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench.txt"
+
+step "distlab.bench, 2 NCCL ranks, in a CUDA graph"
+timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" --graph --each 0 \
+  ${REF[@]+"${REF[@]}"} --out "$OUT/bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-graph.txt"
+
+step "distlab.ring_bench: reference ring vs NCCL all_reduce, 64 MiB .. 1 GiB"
+timeout 240 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
+  --pieces 16M,32M,128M,256M --out "$OUT/ring_bench" 2>&1 | grep -v 'it/s\]' \
+  | tee "$OUT/ring_bench.txt"
+
+step "ring all-reduce correctness, 2 NCCL ranks, 1 B .. 1 GiB"
+timeout 240 $PY -m distlab.ring_bench --check --backend nccl -n 2 2>&1 | grep -v 'it/s\]' \
+  | tee "$OUT/ring_check.txt"
+
+step "multigpu tests of the ring and the bench"
+timeout 300 $PY -m pytest -q -m "gpu or multigpu" tests/test_ring.py tests/test_bench.py \
+  -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest.txt"
+step "done"
