@@ -1,9 +1,10 @@
-"""What the two schedule exercises of lab 07 are tested on.
+"""What the three exercises of lab 07 are tested on.
 
-The student's function is called here, in the test process (a pure function of two
-ints); its table is checked here against the library's reference (distlab.pp.schedule)
-and then executed, as plain data, by the library's runtime on gloo ranks beside the
-reference table; the losses, weights and CommLogs come back to be checked here.
+The student's function runs once per case in one sandboxed rank (:func:`answer`); its
+tables come back as plain data and are checked here against the library's reference
+(distlab.pp.schedule), then executed, as plain data, by the library's runtime on gloo
+ranks beside the reference table; the losses, weights and CommLogs come back to be
+checked here.
 """
 import sys
 
@@ -29,14 +30,55 @@ LANG = NGramLanguage(VOCAB, 3, seed=0)
 CFG = config("test", vocab_size=VOCAB, n_layer=2)
 
 
-def table_of(fn, p, m):
-    """The student's table for (p, m), with a plain-words error if the call fails."""
-    try:
-        return fn(p, m)
-    except NotImplementedError:
-        raise
-    except Exception as exc:
-        raise AssertionError(f"{fn.__name__}({p}, {m}) raised {type(exc).__name__}: {exc}") from exc
+def answers(fn, cases):
+    """In a rank: ``fn(*args)`` for every case, each as {"value", "error"} (the
+    exception's class name and message, or None)."""
+    out = []
+    for args in cases:
+        try:
+            out.append({"value": fn(*args), "error": None})
+        except Exception as exc:
+            out.append({"value": None, "error": [type(exc).__name__, str(exc)]})
+    return out
+
+
+_answers = {}
+
+
+def outcome(fn, name, args, cases):
+    """What ``fn(*args)`` gave. The student's code runs once per exercise, on every one
+    of ``cases``, in a one-rank launch; never in this process."""
+    if name not in _answers:
+        out = launch.run(answers, 1, fn, [list(c) for c in cases], backend="gloo",
+                         timeout=TIMEOUT)[0]
+        _answers[name] = {tuple(c): o for c, o in zip(cases, out)}
+    return _answers[name][tuple(args)]
+
+
+def answer(fn, name, args, cases):
+    """``fn(*args)``; a NotImplementedError stays one (the exercise is not attempted),
+    any other exception becomes a failure that says which call raised it."""
+    got = outcome(fn, name, args, cases)
+    if got["error"]:
+        kind, message = got["error"]
+        if kind == "NotImplementedError":
+            raise NotImplementedError(message)
+        raise AssertionError(f"{name}{tuple(args)} raised {kind}: {message}")
+    return got["value"]
+
+
+BAD_SIZES = [(0, 4), (2, 0), (-1, 3)]
+CASES = GRID + BAD_SIZES
+
+
+def table_of(fn, name, p, m):
+    """The student's table for (p, m)."""
+    return answer(fn, name, (p, m), CASES)
+
+
+def student_table(student, name, p, m):
+    """The student's table for (p, m) as lists of (kind, micro-batch) tuples."""
+    return as_actions(table_of(getattr(student, name), name, p, m))
 
 
 def as_actions(table):
@@ -59,7 +101,7 @@ def first_difference(got, want, name, p, m) -> str | None:
 
 def check_format(fn, name):
     for p, m in GRID:
-        table = table_of(fn, p, m)
+        table = table_of(fn, name, p, m)
         assert isinstance(table, (list, tuple)) and len(table) == p, (
             f"{name}({p}, {m}) should return a list of {p} lists (one per stage), got "
             f"{type(table).__name__}" + (f" of length {len(table)}"
@@ -73,7 +115,7 @@ def check_format(fn, name):
 
 def check_each_once_forward_first(fn, name):
     for p, m in GRID:
-        table = as_actions(table_of(fn, p, m))
+        table = as_actions(table_of(fn, name, p, m))
         for s, row in enumerate(table):
             for i in range(m):
                 for kind in ("F", "B"):
@@ -90,20 +132,26 @@ def check_each_once_forward_first(fn, name):
 
 def check_dependencies(fn, name):
     for p, m in GRID:
-        problem = pp.check_schedule(as_actions(table_of(fn, p, m)), p, m)
+        problem = pp.check_schedule(as_actions(table_of(fn, name, p, m)), p, m)
         assert problem is None, f"{name}({p}, {m}) cannot run: {problem}"
 
 
 def check_order(fn, name, reference):
     for p, m in GRID:
-        problem = first_difference(as_actions(table_of(fn, p, m)), reference(p, m), name, p, m)
+        table = as_actions(table_of(fn, name, p, m))
+        problem = first_difference(table, reference(p, m), name, p, m)
         assert problem is None, problem
 
 
-def check_bad_sizes(fn, name):
-    for args in ((0, 4), (2, 0), (-1, 3)):
-        with pytest.raises(ValueError):
-            fn(*args)
+def check_bad_sizes(fn, name, cases=CASES, bad_sizes=BAD_SIZES):
+    for args in bad_sizes:
+        got = outcome(fn, name, args, cases)
+        kind = got["error"][0] if got["error"] else None
+        if kind == "NotImplementedError":
+            raise NotImplementedError(got["error"][1])
+        assert kind == "ValueError", (
+            f"{name}{args} " + (f"raised {kind}" if kind else f"returned {got['value']!r}") +
+            f"; raise ValueError when num_stages or num_microbatches is below 1")
 
 
 # ------------------------------------------------------- executing a table for real
@@ -142,7 +190,7 @@ def check_execution(fn, name, p, m, reference):
     """The student's table and the reference one, trained in the same launch: the same
     losses and weights (the library's tests hold the reference to one process), and
     transfers that NCCL would run."""
-    table = as_actions(table_of(fn, p, m))
+    table = as_actions(table_of(fn, name, p, m))
     ranks = launch.run(execute, p, [table, reference(p, m)], backend="gloo", timeout=TIMEOUT)
     (got, want) = ([r[k] for r in ranks] for k in (0, 1))
     expect_close(torch.tensor(got[-1]["losses"]), torch.tensor(want[-1]["losses"]),
@@ -156,32 +204,34 @@ def check_execution(fn, name, p, m, reference):
     assert problem is None, f"{name}({p}, {m}) ran on gloo but would hang on NCCL: {problem}"
 
 
-def make_tests(name, reference):
-    """The tests both schedule exercises have: format, each action once, a table that
-    can run, the exact order, bad sizes, and runs on 2 and 4 ranks."""
-    def student_fn(student):
-        return getattr(student, name)
-
+def first_tests(name):
+    """The tests both schedule exercises start with: the format, each action once, a
+    table that can run, bad sizes."""
     def test_returns_one_list_of_actions_per_stage(student):
-        check_format(student_fn(student), name)
+        check_format(getattr(student, name), name)
 
     def test_every_micro_batch_forward_then_backward_once(student):
-        check_each_once_forward_first(student_fn(student), name)
+        check_each_once_forward_first(getattr(student, name), name)
 
     def test_stages_agree_and_nothing_waits_forever(student):
-        check_dependencies(student_fn(student), name)
-
-    def test_exact_order(student):
-        check_order(student_fn(student), name, reference)
+        check_dependencies(getattr(student, name), name)
 
     def test_bad_sizes_raise_value_error(student):
-        check_bad_sizes(student_fn(student), name)
-
-    @pytest.mark.parametrize("p, m", RUNS)
-    def test_runs_and_trains_like_the_reference(student, p, m):
-        check_execution(student_fn(student), name, p, m, reference)
+        check_bad_sizes(getattr(student, name), name)
 
     return (test_returns_one_list_of_actions_per_stage,
             test_every_micro_batch_forward_then_backward_once,
-            test_stages_agree_and_nothing_waits_forever, test_exact_order,
-            test_bad_sizes_raise_value_error, test_runs_and_trains_like_the_reference)
+            test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error)
+
+
+def last_tests(name, reference):
+    """The tests both end with, after their own: the exact order, and runs on 2 and 4
+    ranks beside the reference."""
+    def test_exact_order(student):
+        check_order(getattr(student, name), name, reference)
+
+    @pytest.mark.parametrize("p, m", RUNS)
+    def test_runs_and_trains_like_the_reference(student, p, m):
+        check_execution(getattr(student, name), name, p, m, reference)
+
+    return test_exact_order, test_runs_and_trains_like_the_reference

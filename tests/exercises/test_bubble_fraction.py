@@ -4,9 +4,14 @@ library's ideal clock (distlab.pp.simulate), computed here."""
 import pytest
 
 from distlab import pp
+from pp_cases import answer, check_bad_sizes
 
 NOTEBOOK = "07_pipeline_parallel"
+NAME = "bubble_fraction"
 GRID = [(p, m) for p in (4, 2, 8, 3, 1, 5, 6, 7) for m in (8, 1, 3, 16, 2, 4, 5, 7, 12)]
+LIMITS = [(p, m) for p in (2, 4, 8) for m in (1, 4, 16, 64, 1024)]
+BAD_SIZES = [(0, 4), (2, 0), (-2, 5)]
+CASES = sorted(set(GRID + LIMITS + BAD_SIZES + [(1, 1), (1, 2), (1, 7)]))
 SLIPS = {  # common slips, recognised to say what went wrong
     "the denominator is m+p-1 slots (m micro-batches plus p-1 to fill and drain the "
     "pipeline), not m+p": lambda p, m: (p - 1) / (m + p),
@@ -17,6 +22,11 @@ SLIPS = {  # common slips, recognised to say what went wrong
 }
 
 
+def bubble(student, p, m):
+    """The student's bubble_fraction(p, m) (all cases run once, in a sandboxed rank)."""
+    return answer(student.bubble_fraction, NAME, (p, m), CASES)
+
+
 def ideal(p, m):
     """The idle fraction of 1F1B played on the ideal clock (backward = 2 x forward)."""
     return pp.idle_fraction(pp.simulate(pp.one_f_one_b_schedule(p, m)), p)
@@ -24,7 +34,7 @@ def ideal(p, m):
 
 def test_matches_the_ideal_schedule(student):
     for p, m in GRID:
-        got, want = student.bubble_fraction(p, m), ideal(p, m)
+        got, want = bubble(student, p, m), ideal(p, m)
         if got != pytest.approx(want, abs=1e-12):
             hint = next((why for why, slip in SLIPS.items()
                          if want != pytest.approx(slip(p, m)) and
@@ -37,14 +47,14 @@ def test_matches_the_ideal_schedule(student):
 
 def test_one_stage_has_no_bubble(student):
     for m in (1, 2, 7):
-        assert student.bubble_fraction(1, m) == 0, (
-            f"bubble_fraction(1, {m}) is {student.bubble_fraction(1, m)!r}: one stage never "
+        assert bubble(student, 1, m) == 0, (
+            f"bubble_fraction(1, {m}) is {bubble(student, 1, m)!r}: one stage never "
             f"waits for another")
 
 
 def test_many_micro_batches_shrink_the_bubble(student):
     for p in (2, 4, 8):
-        values = [student.bubble_fraction(p, m) for m in (1, 4, 16, 64, 1024)]
+        values = [bubble(student, p, m) for m in (1, 4, 16, 64, 1024)]
         assert values == sorted(values, reverse=True) and values[-1] < 0.01, (
             f"bubble_fraction({p}, m) for m = 1, 4, 16, 64, 1024 gives {values}: more "
             f"micro-batches must shrink the bubble towards 0")
@@ -55,12 +65,10 @@ def test_many_micro_batches_shrink_the_bubble(student):
 
 def test_returns_a_float(student):
     for p, m in ((1, 1), (4, 8)):
-        got = student.bubble_fraction(p, m)
+        got = bubble(student, p, m)
         assert isinstance(got, float), (f"bubble_fraction({p}, {m}) returned "
                                         f"{type(got).__name__}; return a float")
 
 
 def test_bad_sizes_raise_value_error(student):
-    for args in ((0, 4), (2, 0), (-2, 5)):
-        with pytest.raises(ValueError):
-            student.bubble_fraction(*args)
+    check_bad_sizes(student.bubble_fraction, NAME, CASES, BAD_SIZES)

@@ -5,18 +5,17 @@ alternating, then the remaining backwards; micro-batches in increasing order. Th
 cases and the execution are in pp_cases.py.
 """
 from distlab import pp
-from pp_cases import GRID, as_actions, make_tests, table_of
+from pp_cases import GRID, first_tests, last_tests, student_table
 
 NOTEBOOK = "07_pipeline_parallel"
 NAME = "one_f_one_b_schedule"
 (test_returns_one_list_of_actions_per_stage, test_every_micro_batch_forward_then_backward_once,
- test_stages_agree_and_nothing_waits_forever, test_exact_order, test_bad_sizes_raise_value_error,
- test_runs_and_trains_like_the_reference) = make_tests(NAME, pp.one_f_one_b_schedule)
+ test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error) = first_tests(NAME)
 
 
 def test_warm_up_forwards(student):
     for p, m in GRID:
-        for s, row in enumerate(as_actions(table_of(student.one_f_one_b_schedule, p, m))):
+        for s, row in enumerate(student_table(student, NAME, p, m)):
             first_b = next((k for k, a in enumerate(row) if a[0] == "B"), len(row))
             warmup = min(p - s - 1, m)
             want = min(warmup + 1, m)
@@ -30,7 +29,7 @@ def test_warm_up_forwards(student):
 
 def test_steady_state_alternates(student):
     for p, m in GRID:
-        for s, row in enumerate(as_actions(table_of(student.one_f_one_b_schedule, p, m))):
+        for s, row in enumerate(student_table(student, NAME, p, m)):
             warmup = min(p - s - 1, m)
             kinds = "".join(a[0] for a in row)
             want = "F" * warmup + "FB" * (m - warmup) + "B" * warmup
@@ -42,10 +41,14 @@ def test_steady_state_alternates(student):
 
 def test_holds_at_most_p_minus_s_micro_batches(student):
     for p, m in GRID:
-        table = as_actions(table_of(student.one_f_one_b_schedule, p, m))
+        table = student_table(student, NAME, p, m)
         peaks = [pp.peak_in_flight(row) for row in table]
         want = [min(p - s, m) for s in range(p)]
         assert peaks == want, (
             f"one_f_one_b_schedule({p}, {m}): the stages hold at most {peaks} micro-batches' "
             f"activations at once; 1F1B holds min(p-s, m) = {want} (stage 0 the most, never "
             f"more than p)")
+
+
+test_exact_order, test_runs_and_trains_like_the_reference = last_tests(
+    NAME, pp.one_f_one_b_schedule)

@@ -1,4 +1,4 @@
-"""What each pipeline stage did and when: the recorder, and the bubble it measures.
+"""What each pipeline stage did and when: the recorder of a stage's timeline.
 
 A :class:`Timeline` records one stage's step as events, plain dicts that travel back
 from a launched rank as they are:
@@ -11,7 +11,8 @@ group of transfers, ``what`` lists them, e.g. "send act 3 to 2, recv grad 1 from
 Times are seconds of ``time.perf_counter()``, one clock for every process of a machine
 (Linux's CLOCK_MONOTONIC), so the stages' timelines line up. On a GPU the host only
 queues the work: there the times come from CUDA events, read after the step.
-:func:`distlab.pp.schedule.simulate` makes events of the same shape on an ideal clock.
+:func:`distlab.pp.schedule.simulate` makes events of the same shape on an ideal clock;
+:mod:`distlab.bubble` measures the bubble and the activations held from either.
 """
 from __future__ import annotations
 
@@ -63,31 +64,3 @@ def _cuda_event():
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
-
-
-def compute_events(events: list[dict]) -> list[dict]:
-    """The forwards and backwards among ``events``."""
-    return [e for e in events if e["kind"] in ("F", "B")]
-
-
-def idle_fraction(events: list[dict], num_stages: int | None = None) -> float:
-    """The measured bubble: 1 - (time the stages computed) / (stages x the step's span).
-
-    The span runs from the first event's start to the last one's end over all stages;
-    transfers and waits count as idle, as in the formula (p-1)/(m+p-1)."""
-    work = compute_events(events)
-    if not work:
-        raise ValueError("no forward or backward among the events")
-    p = num_stages or len({e["stage"] for e in work})
-    span = max(e["end"] for e in work) - min(e["start"] for e in work)
-    busy = sum(e["end"] - e["start"] for e in work)
-    return 1.0 - busy / (p * span)
-
-
-def peak_live(events: list[dict]) -> dict[int, int]:
-    """Stage -> the most micro-batches whose activations it held at once."""
-    peaks: dict[int, int] = {}
-    for e in events:
-        if "live" in e:
-            peaks[e["stage"]] = max(peaks.get(e["stage"], 0), e["live"])
-    return peaks

@@ -6,21 +6,23 @@ stage 0 on top, one box per forward (F, solid) or backward (B, hatched), coloure
 micro-batch, transfers as thin grey bars under the boxes. The white space is the
 bubble. :class:`PipelineExplorer` puts the ideal schedule for any p and m (sliders)
 beside a measured run; without a widget front end it shows a picture.
+
+matplotlib and ipywidgets are imported where they are used, so that importing this
+module (the lab 07 exercises do, for the autograder) needs neither.
 """
 from __future__ import annotations
 
-import ipywidgets as widgets
-import matplotlib
-import matplotlib.pyplot as plt
 import numpy as np
 
-from distlab.pp.timeline import compute_events, idle_fraction, peak_live
+from distlab.bubble import compute_events, idle_fraction, peak_live
 from distlab.viz.ring import _png
 
 
 def _figure(ax, size):
     """``ax``'s figure, or a new one, closed so that a notebook shows it once: as the
     value the plotting function returns."""
+    import matplotlib.pyplot as plt
+
     if ax is not None:
         return ax.figure, ax
     fig, ax = plt.subplots(figsize=size)
@@ -29,6 +31,8 @@ def _figure(ax, size):
 
 
 def _colour(mb: int):
+    import matplotlib
+
     return matplotlib.colormaps["tab20"](((2 * mb) % 20 + (mb // 10) % 2) / 20)
 
 
@@ -93,6 +97,8 @@ def plot_live(events: list[dict], ax=None, unit: str = "ms", title: str = ""):
 
 def compare_figure(panels: dict[str, tuple[list[dict], str]], columns: int = 2):
     """Several Gantt charts, one per ``title -> (events, unit)``, ``columns`` a row."""
+    import matplotlib.pyplot as plt
+
     rows = -(-len(panels) // columns)
     heights = [0.45 * (1 + max(e["stage"] for e in ev)) + 1.3 for ev, _ in panels.values()]
     fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, max(heights) * rows),
@@ -131,14 +137,17 @@ def plot_bubble(rows: list[dict], title: str = "", ax=None):
     return fig
 
 
-class PipelineExplorer(widgets.VBox):
+class PipelineExplorer:
     """Sliders for p and m and a choice of schedule redraw the ideal schedule
     (``ideal(name, p, m)`` returns its events) beside a measured run
     (``measured[name]``: the events of a recorded step, for each schedule name).
-    As a static output it shows the picture of the current setting."""
+    Displayed, it is its ipywidgets box (``.widget``); as a static output it shows the
+    picture of the current setting."""
 
     def __init__(self, ideal, measured: dict[str, list[dict]], p: int = 4, m: int = 8,
                  max_p: int = 8, max_m: int = 16):
+        import ipywidgets as widgets
+
         self.ideal, self.measured = ideal, measured
         names = list(measured)
         self.schedule = widgets.ToggleButtons(options=names, value=names[0])
@@ -148,8 +157,9 @@ class PipelineExplorer(widgets.VBox):
         self.image = widgets.Image(format="png")
         for w in (self.schedule, self.p, self.m):
             w.observe(lambda _: self.show(), names="value")
-        super().__init__([widgets.HBox([self.schedule, self.p, self.m]), self.label, self.image],
-                         layout=widgets.Layout(align_items="flex-start"))
+        self.widget = widgets.VBox(
+            [widgets.HBox([self.schedule, self.p, self.m]), self.label, self.image],
+            layout=widgets.Layout(align_items="flex-start"))
         self.show()
 
     def figure(self):
@@ -172,7 +182,7 @@ class PipelineExplorer(widgets.VBox):
                 f"ideal schedule beside the measured one)")
 
     def _repr_mimebundle_(self, **kwargs):
-        data = super()._repr_mimebundle_(**kwargs) or {}
+        data = self.widget._repr_mimebundle_(**kwargs) or {}
         data["text/plain"] = repr(self)
         data["image/png"] = self._picture
         return data
