@@ -253,7 +253,8 @@ sys.meta_path.insert(0, Block())
 @pytest.mark.parametrize("lab,blocked", [("01_primitives", {"ipywidgets"}),
                                          ("02_parameter_server", {"ipywidgets"}),
                                          ("03_ring_allreduce", {"ipywidgets", "matplotlib"}),
-                                         ("05_zero", {"ipywidgets", "matplotlib"})])
+                                         ("05_zero", {"ipywidgets", "matplotlib"}),
+                                         ("07_pipeline_parallel", {"ipywidgets"})])
 def test_the_exercise_modules_import_without_widgets(lab, blocked, tmp_path):
     """The autograder imports a lab's exercise cells with the notebook's imports: that
     must not need ipywidgets (nor matplotlib where the lab's cells do not import it)."""

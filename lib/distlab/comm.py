@@ -365,15 +365,20 @@ def _finish_later(event: CommEvent, work):
 
 
 class _TracedWork:
-    """A Work handle that records when ``wait()`` returned."""
+    """A Work handle that records when ``wait()`` returned, and posts the wait on the
+    status board (a rank stuck there is waiting for a peer, not computing)."""
 
     def __init__(self, work, event: CommEvent):
         self._work, self._event = work, event
 
     def wait(self, *args, **kwargs):
+        if _status:
+            _status.post(f"in wait for {self._event.describe()} since {time.time():.3f}")
         result = self._work.wait(*args, **kwargs)
         if self._event.end is None:
             self._event.end = time.perf_counter()
+        if _status:
+            _status.post(f"after wait for {self._event.describe()} at {time.time():.3f}")
         return result
 
     def __getattr__(self, name):

@@ -116,6 +116,13 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.logits(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream entering the first block: token plus position embeddings."""
         if tokens.dim() != 2:
             raise ValueError(f"GPT takes a (batch, time) tensor of token ids, got shape "
                              f"{tuple(tokens.shape)}")
@@ -123,9 +130,10 @@ class GPT(nn.Module):
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence of {t} tokens is longer than the model's seq_len="
                              f"{self.cfg.seq_len}; cut it or build the model with a longer one")
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(t, device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
+        return self.tok_emb(tokens) + self.pos_emb(torch.arange(t, device=tokens.device))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from the residual stream leaving the last block."""
         return self.head(self.ln_f(x))
 
     def num_params(self, matmul_only: bool = False) -> int:

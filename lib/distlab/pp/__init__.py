@@ -1,0 +1,21 @@
+"""Pipeline parallelism: the model cut by layer into stages, one per rank, and
+micro-batches flowing through them on a schedule (GPipe, 1F1B).
+
+* :mod:`~distlab.pp.split`: the cut, balanced by FLOPs; tied weights across stages;
+* :mod:`~distlab.pp.schedule`: schedule tables, their check, the ideal clock, the bubble;
+* :mod:`~distlab.pp.p2p`: activations and gradients between stages, NCCL-safe groups;
+* :mod:`~distlab.pp.runtime`: one stage's training step, driven by a table;
+* :mod:`~distlab.pp.timeline`: what each stage did and when (:mod:`distlab.bubble`
+  measures the bubble from it).
+"""
+from distlab.bubble import idle_fraction, peak_live
+from distlab.pp.runtime import PipelineRunner, cross_entropy
+from distlab.pp.schedule import (SCHEDULES, TITLES, bubble_fraction, build_schedule,
+                                 check_schedule, gpipe_schedule, one_f_one_b_schedule,
+                                 peak_in_flight, simulate)
+from distlab.pp.split import Stage, balance, layer_costs
+
+__all__ = ["SCHEDULES", "TITLES", "PipelineRunner", "Stage", "balance", "bubble_fraction",
+           "build_schedule", "check_schedule", "cross_entropy", "gpipe_schedule",
+           "idle_fraction", "layer_costs", "one_f_one_b_schedule", "peak_in_flight",
+           "peak_live", "simulate"]

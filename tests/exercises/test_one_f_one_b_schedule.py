@@ -1,0 +1,54 @@
+"""Exercise one_f_one_b_schedule(num_stages, num_microbatches) of lab 07.
+
+Per stage s of p: min(p-s-1, m) warm-up forwards, then one forward and one backward
+alternating, then the remaining backwards; micro-batches in increasing order. The
+cases and the execution are in pp_cases.py.
+"""
+from distlab import pp
+from pp_cases import GRID, first_tests, last_tests, student_table
+
+NOTEBOOK = "07_pipeline_parallel"
+NAME = "one_f_one_b_schedule"
+(test_returns_one_list_of_actions_per_stage, test_every_micro_batch_forward_then_backward_once,
+ test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error) = first_tests(NAME)
+
+
+def test_warm_up_forwards(student):
+    for p, m in GRID:
+        for s, row in enumerate(student_table(student, NAME, p, m)):
+            first_b = next((k for k, a in enumerate(row) if a[0] == "B"), len(row))
+            warmup = min(p - s - 1, m)
+            want = min(warmup + 1, m)
+            assert first_b == want, (
+                f"one_f_one_b_schedule({p}, {m}), stage {s} runs {first_b} forward"
+                f"{'s' * (first_b != 1)} before its first backward; stage s of p warms up "
+                f"with min(p-s-1, m) = {warmup} forwards, then runs one more forward and its "
+                f"first backward "
+                f"({want} forward{'s' * (want != 1)} before B0)")
+
+
+def test_steady_state_alternates(student):
+    for p, m in GRID:
+        for s, row in enumerate(student_table(student, NAME, p, m)):
+            warmup = min(p - s - 1, m)
+            kinds = "".join(a[0] for a in row)
+            want = "F" * warmup + "FB" * (m - warmup) + "B" * warmup
+            assert kinds == want, (
+                f"one_f_one_b_schedule({p}, {m}), stage {s} runs {kinds}; expected {want}: "
+                f"{warmup} warm-up forwards, then forward and backward alternating, then the "
+                f"{warmup} backwards left")
+
+
+def test_holds_at_most_p_minus_s_micro_batches(student):
+    for p, m in GRID:
+        table = student_table(student, NAME, p, m)
+        peaks = [pp.peak_in_flight(row) for row in table]
+        want = [min(p - s, m) for s in range(p)]
+        assert peaks == want, (
+            f"one_f_one_b_schedule({p}, {m}): the stages hold at most {peaks} micro-batches' "
+            f"activations at once; 1F1B holds min(p-s, m) = {want} (stage 0 the most, never "
+            f"more than p)")
+
+
+test_exact_order, test_runs_and_trains_like_the_reference = last_tests(
+    NAME, pp.one_f_one_b_schedule)
