@@ -398,3 +398,27 @@ def test_work_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
             "the launch removed its own directory"
     finally:
         os.close(held)
+
+
+def config(x):
+    return x
+
+
+def _mentions_torch_submodule_names():
+    return config(dist.get_rank()), torch.ops.aten.add(torch.ones(1), 1)
+
+
+def test_a_function_naming_a_torch_submodule_still_travels():
+    """`config` is also torch.distributed.config, a module whose class torch replaced;
+    cloudpickle would try to copy it (and torch.ops) instead of importing it by name."""
+    fn = cloudpickle_by_value(_mentions_torch_submodule_names)
+    assert [r[0] for r in launch.run(fn, 2, backend="gloo", timeout=60)] == [0, 1]
+
+
+def cloudpickle_by_value(fn):
+    """``fn`` as a notebook cell's function: its module is pickled by value."""
+    import types
+
+    clone = types.FunctionType(fn.__code__, {**fn.__globals__, "__name__": "__main__"},
+                               fn.__name__)
+    return clone

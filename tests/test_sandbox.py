@@ -111,3 +111,9 @@ def test_a_direct_call_runs_sandboxed_and_raises_the_same_builtin(tmp_path, monk
 def test_root_finds_an_unprivileged_user_that_can_still_import():
     user, why = sandbox.unprivileged_user()
     assert user and user.split(":")[0] != "0", why
+
+
+def test_scalar_tensors_travel_as_plain_data():
+    for t in (torch.tensor(2.5), torch.tensor(3, dtype=torch.bfloat16), torch.tensor(True)):
+        back = plain.loads(plain.dumps(t))
+        assert back.shape == () and back.dtype == t.dtype and back.item() == t.item()

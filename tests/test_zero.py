@@ -61,7 +61,7 @@ def wrap(kind, model, group=None, compute_dtype=None):
     if kind == "stage1":
         return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, group, **ADAMW)
     if kind == "stage1 after DataParallel":
-        return DataParallel(model, group), ShardedOptimizer(
+        return DataParallel(model, group=group), ShardedOptimizer(
             model.parameters(), torch.optim.AdamW, group, average_gradients=False, **ADAMW)
     fsdp = FullyShardedDataParallel(model, compute_dtype, group,
                                     shard_parameters=kind == "stage3")
@@ -99,7 +99,7 @@ def bf16_bytes(kind, group, solo):
     model = tied()
     if kind == "stage0":               # data parallel: an optimizer over a group of one
         model = model.to(torch.bfloat16)
-        net, opt = DataParallel(model, group), ShardedOptimizer(
+        net, opt = DataParallel(model, group=group), ShardedOptimizer(
             model.parameters(), torch.optim.AdamW, solo, average_gradients=False, **ADAMW)
     elif kind == "stage1":
         net, opt = wrap(kind, model.to(torch.bfloat16), group)

@@ -259,6 +259,7 @@ def _check_timeout(timeout) -> None:
 def _pack(fn, args, kwargs) -> bytes:
     """Pickle the call by value, keeping each function's file name and sending the
     source of the cells it came from, so that a rank's traceback shows the lines."""
+    import importlib
     import io
     import linecache
     import types
@@ -275,6 +276,15 @@ def _pack(fn, args, kwargs) -> bytes:
 
     class Pickler(cloudpickle.Pickler):
         dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
+
+        def reducer_override(self, obj):
+            # Modules whose class torch replaced (torch.distributed.config, torch.ops) are
+            # importable by name, though cloudpickle would try to copy them: a function
+            # that merely mentions `config` and uses `dist` drags one in.
+            if (isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType
+                    and sys.modules.get(obj.__name__) is obj):
+                return importlib.import_module, (obj.__name__,)
+            return super().reducer_override(obj)
 
     buffer = io.BytesIO()
     try:

@@ -70,7 +70,7 @@ def dumps(obj) -> bytes:
             name = str(t.dtype).removeprefix("torch.")
             if name not in _dtypes():
                 raise PlainDataError(f"{where}: tensors of dtype {name} cannot travel")
-            data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             blobs.append(data)
             offset += len(data)
             return {"tensor": [name, list(t.shape), offset - len(data), len(data)]}
