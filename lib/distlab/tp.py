@@ -29,6 +29,8 @@ Attention heads cannot be split, so the head count must be a multiple of ``t``.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -537,9 +539,9 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def _gathered(model: nn.Module, tensors: dict, grads: bool) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    out = {n: None if t is None else t.full_tensor() if isinstance(t, DTensor) else
+    # DTensors exist only once torch.distributed.tensor is imported (a slow import)
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    out = {n: None if t is None else t.full_tensor() if isinstance(t, dtensor) else
            t.detach().clone() for n, t in tensors.items()}
     for name, module in model.named_modules(remove_duplicate=False):
         if hasattr(module, "full_parameters"):
