@@ -8,7 +8,8 @@ Each link setting starts fresh NCCL ranks with its environment (NCCL reads it wh
 communicator is created): ``nvlink`` is NCCL's default (NVLink P2P between GPUs of one
 node), ``host`` disables P2P so traffic goes through host shared memory (27 GB/s busbw
 on two H200s, about a 200 Gb/s NIC), ``sockets`` also disables shared memory and uses
-TCP on the loopback interface (2.9 GB/s, about 25 GbE); figures from DESIGN.md.
+TCP on the loopback interface (2.9 GB/s, about 25 GbE; InfiniBand is switched off too, in
+case the node has some); figures from DESIGN.md. ``NCCL_NVLS_ENABLE=0`` throughout.
 
 On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW) runs as:
 
@@ -40,7 +41,8 @@ import torch.nn.functional as F
 LINKS = {
     "nvlink": {},
     "host": {"NCCL_P2P_DISABLE": "1"},
-    "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
+    "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
+                "NCCL_IB_DISABLE": "1"},  # no InfiniBand either, where the node has some
 }
 VARIANTS = ("distlab TP", "torch TP", "torch DDP", "distlab DP")
 
@@ -231,6 +233,10 @@ def main(argv=None) -> int:
         print("# not NCCL: the link settings mean nothing here; one run on gloo")
     overrides = {} if args.n_head is None else {"n_head": args.n_head}
     cfg = config(args.model, args.vocab_size, **overrides)
+    if cfg.n_head % world:
+        p.error(f"{cfg.n_head} heads cannot be split over {world} ranks: pass --world-size with a "
+                f"divisor of {cfg.n_head}, or --n-head with a multiple of {world} (d_model "
+                f"{cfg.d_model} must stay divisible by it)")
     seq = args.seq_len or cfg.seq_len
     print(f"# {backends.explain(world, args.backend)}; torch {torch.__version__}; {args.model} "
           f"({cfg.n_layer} layers, d={cfg.d_model}, {cfg.n_head} heads), global batch "
