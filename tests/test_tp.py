@@ -6,6 +6,7 @@ evenly; CommLog sees 2 all-reduces forward and 2 backward per block; torch's own
 tensor parallelism gives the same outputs and gradients; bad input gets a clear error.
 
 One launch per world size runs every model case (each world size costs one start)."""
+import json
 import sys
 
 import cloudpickle
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab import launch, tp
+from distlab import backend, launch, tp, tp_bench
 from distlab.comm import CommLog, bus_factor
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
@@ -42,19 +43,19 @@ def make_model():
     return model
 
 
-def loss_of(model, step, opts):
-    x, y = LANG.batch(step, BATCH, SEQ)
+def loss_of(model, step, opts, device="cpu"):
+    x, y = (t.to(device) for t in LANG.batch(step, BATCH, SEQ))
     logits = model(x).flatten(0, 1)
     if opts.get("vocab_parallel"):
         return tp.vocab_parallel_cross_entropy(logits, y.flatten(), VOCAB)
     return F.cross_entropy(logits, y.flatten())
 
 
-def train(opts=None, parallel=True):
+def train(opts=None, parallel=True, device="cpu"):
     """AdamW steps; the losses, the first step's gradients and the final weights (full,
     gathered) and the first step's communication."""
     opts = opts or {}
-    model = make_model()
+    model = make_model().to(device)
     if parallel:
         tp.tensor_parallel(model, **opts)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
@@ -62,7 +63,7 @@ def train(opts=None, parallel=True):
     for step in range(STEPS):
         opt.zero_grad()
         with CommLog() as fwd:
-            loss = loss_of(model, step, opts)
+            loss = loss_of(model, step, opts, device)
         with CommLog() as bwd:
             loss.backward()
             if opts.get("sequence_parallel"):
@@ -279,3 +280,42 @@ def test_qkv_rows_give_each_rank_its_heads():
     q, k, v = range(0, 4), range(8, 12), range(16, 20)          # rank 0: heads 0 and 1
     assert order[:12].tolist() == [*q, *k, *v]
     assert sorted(order.tolist()) == list(range(24))
+
+
+def test_bench_command_line_on_gloo(tmp_path, capsys):
+    """The GPU benchmark's code path on two CPU ranks (no link settings there)."""
+    assert tp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "32",
+                          "--batch-size", "2", "--seq-len", "8", "--dtype", "fp32", "--backend",
+                          "gloo", "--world-size", "2", "--variants", "distlab TP,distlab DP",
+                          "--steps", "1", "--rounds", "1"]) == 0
+    found = json.loads((tmp_path / "tp_bench.json").read_text())["links"]
+    assert list(found) == ["gloo"] and list(found["gloo"]) == ["distlab TP", "distlab DP"]
+    assert found["gloo"]["distlab TP"]["collectives"] == 2 * 2 * 2  # 2 blocks, 2 + 2 each
+    assert (tmp_path / "tp_bench.png").stat().st_size > 0
+    assert "distlab DP" in capsys.readouterr().out
+
+
+def rank_gpu():
+    return {name: train(opts, device=backend.device()) for name, opts in VARIANTS.items()}
+
+
+@pytest.mark.multigpu
+def test_trains_like_one_process_on_nccl():
+    """Two GPUs, NCCL, float64: every variant against one process on the CPU."""
+    for rank, found in enumerate(launch.run(rank_gpu, 2, backend="nccl", timeout=300)):
+        for variant in VARIANTS:
+            check_like_one_process(found[variant], f"{variant} on GPU rank {rank}",
+                                   dict(rtol=1e-7, atol=1e-9))
+        assert found["plain"]["forward"][0]["op"] == "all_reduce"
+
+
+@pytest.mark.multigpu
+def test_bench_on_gpus(tmp_path):
+    """The benchmark's NCCL path, small: every variant, the profiler's NCCL share."""
+    assert tp_bench.main(["--out", str(tmp_path), "--model", "small", "--vocab-size", "1024",
+                          "--batch-size", "4", "--seq-len", "128", "--world-size", "2",
+                          "--links", "nvlink", "--steps", "2", "--rounds", "1"]) == 0
+    found = json.loads((tmp_path / "tp_bench.json").read_text())["links"]["nvlink"]
+    assert set(found) == set(tp_bench.VARIANTS)
+    for name, r in found.items():
+        assert r["step_s"] > 0 and 0 < r["nccl_share"] < 1, (name, r)

@@ -457,6 +457,27 @@ def _grouped_attention(attn: nn.Module, size: int, column, row) -> ParallelSelfA
                                  d_model // attn.n_head, order)
 
 
+def parallel_attention(attn: nn.Module, group=None, *,
+                       sequence_parallel: bool = False) -> ParallelSelfAttention:
+    """The GPT's :class:`~distlab.model.CausalSelfAttention` split by heads over
+    ``group``: qkv column-parallel over this rank's heads, proj row-parallel. One
+    all-reduce forward (in proj), one backward (at qkv's input)."""
+    size = dist.get_world_size(group)
+    heads_per_rank(attn.n_head, size)
+    return _grouped_attention(
+        attn, size, lambda m: ColumnParallelLinear(m, group, sequence_parallel=sequence_parallel),
+        lambda m: RowParallelLinear(m, group, sequence_parallel=sequence_parallel))
+
+
+def parallel_mlp(mlp: nn.Module, group=None, *, sequence_parallel: bool = False) -> nn.Module:
+    """The GPT's :class:`~distlab.model.MLP`, in place: up column-parallel, down
+    row-parallel, so that GELU runs on this rank's hidden features and one all-reduce
+    forward (in down) and one backward (at up's input) remain."""
+    mlp.up = ColumnParallelLinear(mlp.up, group, sequence_parallel=sequence_parallel)
+    mlp.down = RowParallelLinear(mlp.down, group, sequence_parallel=sequence_parallel)
+    return mlp
+
+
 def tensor_parallel(model: nn.Module, group=None, *, vocab_parallel: bool = False,
                     sequence_parallel: bool = False) -> nn.Module:
     """Make a :class:`distlab.model.GPT` tensor-parallel over ``group``, in place, by
@@ -484,19 +505,13 @@ def tensor_parallel(model: nn.Module, group=None, *, vocab_parallel: bool = Fals
     heads_per_rank(model.cfg.n_head, size)
     tied = model.head.weight is model.tok_emb.weight
 
-    def column(linear):
-        return ColumnParallelLinear(linear, group, sequence_parallel=sequence_parallel)
-
-    def row(linear):
-        return RowParallelLinear(linear, group, sequence_parallel=sequence_parallel)
-
     for block in model.blocks:
-        block.attn = _grouped_attention(block.attn, size, column, row)
-        block.mlp.up, block.mlp.down = column(block.mlp.up), row(block.mlp.down)
+        block.attn = parallel_attention(block.attn, group, sequence_parallel=sequence_parallel)
+        parallel_mlp(block.mlp, group, sequence_parallel=sequence_parallel)
     if vocab_parallel:
         head = model.head
         model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
-        model.head = column(head)
+        model.head = ColumnParallelLinear(head, group, sequence_parallel=sequence_parallel)
         if tied:  # the same vocabulary rows on this rank: the tie holds shard by shard
             model.head.weight = model.tok_emb.weight
     if sequence_parallel:

@@ -11,6 +11,7 @@ with the full layer's output and gradients, computed by autograd in this process
 import sys
 
 import cloudpickle
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -97,34 +98,41 @@ _runs = {}
 
 
 def run(kind: str, cls, size: int, case: str, forward: bool = True) -> list:
-    """Every rank's findings for ``case`` at ``size`` ranks (one launch, shared by the
-    tests). A deadlock in the group case says what usually causes it."""
-    key = (kind, cls, size, case, forward)
+    """Every rank's findings for ``case`` at ``size`` ranks. The first call for a size
+    runs all of its cases, one launch each, while those ranks are warm (the tests go
+    through the sizes once per aspect; a new size costs new ranks)."""
+    key = (kind, repr(cls), size)  # the student's class comes as a reference
     if key not in _runs:
-        try:
-            _runs[key] = launch.run(rank_case, size, kind, cls, case, forward, backend="gloo",
-                                    timeout=TIMEOUT)
-        except launch.LaunchTimeout as exc:
-            if case != "pair":
-                _runs[key] = exc
-            else:
-                waits = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
-                _runs[key] = AssertionError(
-                    f"deadlock with group = ranks {list(PAIR)} of {size}: no answer within "
-                    f"{TIMEOUT} s ({waits}). Pass group=group to every collective, and on a rank "
-                    f"outside the group return before any collective")
-        except launch.RankError as exc:
-            _runs[key] = exc
-            if case == "pair" and exc.rank not in PAIR:
-                _runs[key] = AssertionError(
-                    f"rank {exc.rank}, which is not in the group of ranks {list(PAIR)}, raised "
-                    f"{str(exc).splitlines()[0]}: on a rank outside the group, "
-                    f"dist.get_rank(group) is -1; keep no shard and return at once")
-        except launch.LaunchError as exc:
-            _runs[key] = exc
-    if isinstance(_runs[key], Exception):
-        raise _runs[key]
-    return _runs[key]
+        _runs[key] = {(c, fwd): _launch(kind, cls, size, c, fwd)
+                      for c in cases(kind, size) for fwd in (False, True)}
+    found = _runs[key][(case, forward)]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
+def _launch(kind, cls, size, case, forward):
+    """One case's launch; an exception is kept, with advice where it is typical."""
+    try:
+        return launch.run(rank_case, size, kind, cls, case, forward, backend="gloo",
+                          timeout=TIMEOUT)
+    except launch.LaunchTimeout as exc:
+        if case != "pair":
+            return exc
+        waits = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
+        return AssertionError(
+            f"deadlock with group = ranks {list(PAIR)} of {size}: no answer within {TIMEOUT} s "
+            f"({waits}). Pass group=group to every collective, and on a rank outside the group "
+            f"return before any collective")
+    except launch.RankError as exc:
+        if case == "pair" and exc.rank not in PAIR:
+            return AssertionError(
+                f"rank {exc.rank}, which is not in the group of ranks {list(PAIR)}, raised "
+                f"{str(exc).splitlines()[0]}: on a rank outside the group, dist.get_rank(group) "
+                f"is -1; keep no shard and return at once")
+        return exc
+    except launch.LaunchError as exc:
+        return exc
 
 
 def expected(kind: str, case: str, size: int, rank: int) -> dict:
@@ -160,6 +168,12 @@ def members(case: str, out: list):
             yield rank, len(PAIR), PAIR.index(rank), found
 
 
+def each(kind, case, out):
+    """(what, group size, rank in group, finding, expected) of every member of the case."""
+    for rank, gsize, grank, found in members(case, out):
+        yield where(kind, case, rank, len(out)), gsize, grank, found, expected(kind, case, gsize, grank)
+
+
 def where(kind, case, rank, size):
     group = f"group of ranks {list(PAIR)} of {size}" if case == "pair" else f"{size} ranks"
     bias = ", bias=False" if case == "no bias" else ""
@@ -176,9 +190,7 @@ def allclose(a, b):
 
 
 def check_shards(kind, case, out):
-    for rank, gsize, grank, found in members(case, out):
-        what = where(kind, case, rank, len(out))
-        want = expected(kind, case, gsize, grank)
+    for what, gsize, grank, found, want in each(kind, case, out):
         axis = (f"rows {want['rows']} of linear.weight (torch.tensor_split(linear.weight, "
                 f"{gsize}, dim=0)[{grank}]: PyTorch keeps the output features as rows)"
                 if kind == "column" else
@@ -207,9 +219,7 @@ def check_shards(kind, case, out):
 
 
 def check_output(kind, case, out):
-    for rank, gsize, grank, found in members(case, out):
-        what = where(kind, case, rank, len(out))
-        want = expected(kind, case, gsize, grank)
+    for what, gsize, grank, found, want in each(kind, case, out):
         y = found["y"]
         assert y is not None, f"{what}: forward returned {found['y_type']}, not a tensor"
         if kind == "column":
@@ -233,9 +243,7 @@ def check_output(kind, case, out):
 
 
 def check_input_grad(kind, case, out):
-    for rank, gsize, grank, found in members(case, out):
-        what = where(kind, case, rank, len(out))
-        want = expected(kind, case, gsize, grank)
+    for what, gsize, grank, found, want in each(kind, case, out):
         g = found["x_grad"]
         assert g is not None, f"{what}: the input got no gradient; build the output from it"
         if kind == "column":
@@ -260,9 +268,7 @@ def check_input_grad(kind, case, out):
 
 
 def check_param_grads(kind, case, out):
-    for rank, gsize, grank, found in members(case, out):
-        what = where(kind, case, rank, len(out))
-        want = expected(kind, case, gsize, grank)
+    for what, gsize, grank, found, want in each(kind, case, out):
         assert found["weight_grad"] is not None, f"{what}: .weight got no gradient"
         expect_close(found["weight_grad"], want["weight_grad"], f"{what}: the gradient of .weight")
         if want["bias_grad"] is None:
@@ -281,8 +287,7 @@ def check_communication(kind, case, out):
     of the input's size backward. Row: one all-reduce of the output forward, none
     backward. At one rank a layer may skip its collectives."""
     elem = 8  # float64
-    for rank, gsize, grank, found in members(case, out):
-        what = where(kind, case, rank, len(out))
+    for what, gsize, grank, found, _ in each(kind, case, out):
         fwd = [e["op"] for e in found["forward"]]
         bwd = [e["op"] for e in found.get("backward", [])]
         if kind == "column":
@@ -333,3 +338,23 @@ def check_everything(kind, case, out):
         check(kind, case, out)
     if case == "pair":
         check_non_members(kind, out)
+
+
+def make_tests(kind: str, name: str) -> dict:
+    """The tests of exercise ``name`` (a layer of ``kind``), by aspect, each one point per
+    size: a wrong bias, a missing all-reduce or a wrong slice each lose the points of
+    their own aspect."""
+    def test(check, case_names=("bias", "no bias"), forward=True, sizes=SIZES):
+        @pytest.mark.parametrize("size", sizes)
+        def run_checks(student, size):
+            for case in case_names:
+                check(kind, case, run(kind, getattr(student, name), size, case, forward))
+        return run_checks
+
+    tests = {"shards": test(check_shards, forward=False), "output": test(check_output),
+             "input_grad": test(check_input_grad), "param_grads": test(check_param_grads),
+             "communication": test(check_communication),
+             "group": test(check_everything, ["pair"], sizes=[3, 4])}
+    if kind == "column":
+        tests["gather"] = test(check_everything, ["gather"])
+    return tests
