@@ -13,7 +13,8 @@ case the node has some); figures from DESIGN.md. ``NCCL_NVLS_ENABLE=0`` througho
 
 On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW) runs as:
 
-* ``distlab TP``: :func:`distlab.tp.tensor_parallel`, every rank on the whole batch;
+* ``distlab TP``: :func:`distlab.tp.tensor_parallel`, every rank on the whole batch (its
+  collectives move bf16 forward and backward, as Megatron's do);
 * ``torch TP``: :func:`distlab.tp.parallelize_with_torch` (DTensor ColwiseParallel /
   RowwiseParallel), the same split;
 * ``torch DDP`` and ``distlab DP``: data parallel, each rank on ``batch/N`` sequences.
@@ -175,9 +176,13 @@ def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, ti
     for link in links:
         env = dict(LINKS.get(link, {}), NCCL_NVLS_ENABLE="0")
         start = time.perf_counter()
-        with environment(env):
-            results[link] = launch.run(measure, world_size, cfg, batch, seq, variants, steps,
-                                       rounds, backend=backend, timeout=timeout, isolated=True)[0]
+        try:
+            with environment(env):
+                results[link] = launch.run(measure, world_size, cfg, batch, seq, variants, steps,
+                                           rounds, backend=backend, timeout=timeout,
+                                           isolated=True)[0]
+        except launch.LaunchError as exc:  # keep the other links' figures
+            results[link] = {"error": str(exc).splitlines()[0]}
         print(f"# {link}: {time.perf_counter() - start:.0f} s", flush=True)
     return results
 
@@ -188,6 +193,9 @@ def table(results: dict) -> str:
     lines = [f"{'link':<9}{'variant':<12}{'ms/step':>9}{'vs torch TP':>12}{'NCCL share':>12}"
              f"{'bus bytes':>13}{'calls':>7}"]
     for link, rows in results.items():
+        if "error" in rows:
+            lines.append(f"{link:<9}failed: {rows['error']}")
+            continue
         ref = rows.get("torch TP", {}).get("step_s")
         for name, r in rows.items():
             ratio = f"{r['step_s'] / ref:.2f}x" if ref else "-"
@@ -255,7 +263,7 @@ def main(argv=None) -> int:
                f"{args.batch_size}x{seq}, {args.dtype}").savefig(args.out / "tp_bench.png", dpi=120,
                                                                   bbox_inches="tight")
     print(f"# wrote {args.out / 'tp_bench.json'} and {args.out / 'tp_bench.png'}")
-    return 0
+    return 1 if any("error" in rows for rows in results.values()) else 0
 
 
 if __name__ == "__main__":

@@ -110,8 +110,8 @@ def plot_layer_times(rows, title: str = ""):
 def plot_bench(results: dict, title: str = ""):
     """Time per step of each variant on each link (``results``: link -> variant ->
     figures with ``step_s``), log scale."""
-    links = list(results)
-    variants = list(dict.fromkeys(v for rows in results.values() for v in rows))
+    links = [link for link, rows in results.items() if "error" not in rows]
+    variants = list(dict.fromkeys(v for link in links for v in results[link]))
     width = 0.8 / max(len(variants), 1)
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(links) + 2), 4))
     for i, name in enumerate(variants):
