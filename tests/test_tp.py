@@ -127,9 +127,18 @@ def autocast_dtypes():
     return sorted({e.dtype for e in log.events})
 
 
+def shared_gradient():
+    """f's backward must not change a gradient tensor autograd also hands to another
+    branch: here the addition passes the same gradient to f and to x directly."""
+    x = torch.ones(3, requires_grad=True)
+    ((tp.copy_to_group(x) + x) * torch.ones(3)).sum().backward()  # a contiguous gradient
+    return x.grad
+
+
 def rank_all():
     size = dist.get_world_size()
     out = {name: train(opts) for name, opts in VARIANTS.items()}
+    out["shared"] = shared_gradient()
     if size in (2, 4):
         out["torch"] = with_torch_tp()
     out["errors"], out["autocast"] = errors(), autocast_dtypes()
@@ -267,6 +276,12 @@ def test_library_layers_pass_the_exercise_checks(size, kind):
     names = tp_cases.cases(kind, size)
     for case in names:
         tp_cases.check_everything(kind, case, tp_cases.run(kind, cls, size, case))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_f_leaves_a_shared_gradient_alone(size):
+    for found in run(size):  # the sum over ranks through f, plus 1 from the direct path
+        assert found["shared"].tolist() == [size + 1.0] * 3
 
 
 def test_shard_sizes_follow_tensor_split():

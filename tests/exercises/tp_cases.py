@@ -128,8 +128,8 @@ def _launch(kind, cls, size, case, forward):
         if case == "pair" and exc.rank not in PAIR:
             return AssertionError(
                 f"rank {exc.rank}, which is not in the group of ranks {list(PAIR)}, raised "
-                f"{str(exc).splitlines()[0]}: on a rank outside the group, dist.get_rank(group) "
-                f"is -1; keep no shard and return at once")
+                f"{exc.exc_type}: {exc.message}. On a rank outside the group, "
+                f"dist.get_rank(group) is -1: keep no shard and return at once")
         return exc
     except launch.LaunchError as exc:
         return exc
