@@ -94,7 +94,7 @@ def with_torch_tp():
             tp.parallelize_with_torch(model, init_device_mesh("cpu", (dist.get_world_size(),)))
         loss = loss_of(model, 0, {})
         loss.backward()
-        out[name] = {"loss": loss.detach(), "grads": tp.full_grads(model)}
+        out[name] = {"loss": loss.detach().reshape(1), "grads": tp.full_grads(model)}
     return out
 
 
