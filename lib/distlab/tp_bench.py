@@ -5,11 +5,11 @@ of a cluster.
     python -m distlab.tp_bench --out DIR --links nvlink     # the default link only
 
 Each link setting starts fresh NCCL ranks with its environment (NCCL reads it when a
-communicator is created): ``nvlink`` is NCCL's default (NVLink P2P between GPUs of one
-node), ``host`` disables P2P so traffic goes through host shared memory (27 GB/s busbw
-on two H200s, about a 200 Gb/s NIC), ``sockets`` also disables shared memory and uses
-TCP on the loopback interface (2.9 GB/s, about 25 GbE; InfiniBand is switched off too, in
-case the node has some); figures from DESIGN.md. ``NCCL_NVLS_ENABLE=0`` throughout.
+communicator is created), the settings of :data:`distlab.overlap_bench.LINKS`: ``nvlink``
+is NCCL's default (NVLink P2P between GPUs of one node), ``host`` disables P2P so traffic
+goes through host shared memory (27 GB/s busbw on two H200s, about a 200 Gb/s NIC),
+``socket`` also disables shared memory and uses TCP on the loopback interface (2.9 GB/s,
+about 25 GbE); figures from DESIGN.md. ``NCCL_NVLS_ENABLE=0`` throughout.
 
 On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW) runs as:
 
@@ -21,8 +21,10 @@ On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW)
 
 Steps are timed in interleaved rounds (a drifting machine slows every variant alike);
 the figure is the median over rounds. A torch.profiler trace of a few steps gives the
-share of the step spent in NCCL kernels (their summed GPU time over the wall time).
-Prints a table; writes ``tp_bench.json`` and ``tp_bench.png`` to ``--out``.
+share of the step during which an NCCL kernel ran (:func:`distlab.trace.kernel_timeline`:
+the union of the NCCL kernels' spans, over the time from the first kernel to the last). Prints a table; writes
+``tp_bench.json``, ``tp_bench.png`` and rank 0's traces (``trace_<link>_<variant>.json.gz``,
+for https://ui.perfetto.dev) to ``--out``.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,28 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-LINKS = {
-    "nvlink": {},
-    "host": {"NCCL_P2P_DISABLE": "1"},
-    "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo",
-                "NCCL_IB_DISABLE": "1"},  # no InfiniBand either, where the node has some
-}
+from distlab.overlap_bench import LINKS, environ
+
 VARIANTS = ("distlab TP", "torch TP", "torch DDP", "distlab DP")
-
-
-@contextlib.contextmanager
-def environment(changes: dict):
-    """``os.environ`` with ``changes`` (fresh ranks inherit it), restored afterwards."""
-    saved = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _build(variant: str, cfg, device):
@@ -88,8 +71,10 @@ def _build(variant: str, cfg, device):
 
 
 def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3,
-            warmup: int = 3, profile_steps: int = 3, dtype: str = "bf16") -> dict:
-    """Run in every rank: time each variant; rank 0's figures come back (plain data)."""
+            warmup: int = 3, profile_steps: int = 3, dtype: str = "bf16", workdir=None,
+            label: str = "") -> dict:
+    """Run in every rank: time each variant; rank 0's figures come back (plain data).
+    Rank 0 keeps its profiler traces in ``workdir`` (when given)."""
     from distlab import backend
     from distlab.comm import CommLog
     from distlab.throughput import DTYPES
@@ -132,12 +117,16 @@ def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3
             _sync(device)
             times[name].append((time.perf_counter() - start) / steps)
     out = {}
-    for name, step in runs.items():
-        with CommLog() as log:
-            step()
-        out[name] = {"step_s": statistics.median(times[name]), "rounds_s": times[name],
-                     "comm_bytes": log.bus_bytes(), "collectives": log.count(),
-                     "nccl_share": _nccl_share(step, device, profile_steps)}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, step in runs.items():
+            with CommLog() as log:
+                step()
+            keep = workdir is not None and dist.get_rank() == 0
+            path = Path(workdir if keep else scratch) / \
+                f"trace_{label}_{name.replace(' ', '_')}.json.gz"
+            out[name] = {"step_s": statistics.median(times[name]), "rounds_s": times[name],
+                         "comm_bytes": log.bus_bytes(), "collectives": log.count(),
+                         "nccl_share": _nccl_share(step, device, profile_steps, path)}
     return out
 
 
@@ -146,25 +135,20 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _nccl_share(step, device, steps: int) -> float | None:
-    """GPU time of NCCL kernels over the wall time of ``steps`` profiled steps."""
+def _nccl_share(step, device, steps: int, path: Path) -> float | None:
+    """Share of ``steps`` profiled steps during which an NCCL kernel ran on this rank's
+    GPU, from the first kernel to the last (None on CPUs)."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from distlab import trace
 
-    _sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        wall = time.perf_counter() - start
-    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()
-                    if e.device_type == torch.autograd.DeviceType.CUDA and "nccl" in e.key.lower())
-    return kernel_us * 1e-6 / wall
+    trace.profile(step, steps=steps, warmup=0, path=path)
+    kernels = trace.kernel_timeline(path)
+    return kernels.comm_seconds() / kernels.duration
 
 
-def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=300):
+def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=300,
+        workdir=None):
     """{link: {variant: figures}}: one launch on fresh ranks per link setting (``links``:
     names of :data:`LINKS`; on gloo they mean nothing and one run is labelled "gloo")."""
     from distlab import backend as backends
@@ -177,10 +161,11 @@ def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, ti
         env = dict(LINKS.get(link, {}), NCCL_NVLS_ENABLE="0")
         start = time.perf_counter()
         try:
-            with environment(env):
-                results[link] = launch.run(measure, world_size, cfg, batch, seq, variants, steps,
-                                           rounds, backend=backend, timeout=timeout,
-                                           isolated=True)[0]
+            with environ(**env):
+                results[link] = launch.run(
+                    measure, world_size, cfg, batch, seq, variants, steps, rounds,
+                    workdir=None if workdir is None else str(workdir), label=link,
+                    backend=backend, timeout=timeout, isolated=True)[0]
         except launch.LaunchError as exc:  # keep the other links' figures
             results[link] = {"error": str(exc).splitlines()[0]}
         print(f"# {link}: {time.perf_counter() - start:.0f} s", flush=True)
@@ -249,10 +234,10 @@ def main(argv=None) -> int:
     print(f"# {backends.explain(world, args.backend)}; torch {torch.__version__}; {args.model} "
           f"({cfg.n_layer} layers, d={cfg.d_model}, {cfg.n_head} heads), global batch "
           f"{args.batch_size}x{seq}, {args.dtype}", flush=True)
-    results = run(links, cfg, args.batch_size, seq, world, args.backend, variants, args.steps,
-                  args.rounds)
-    print(table(results))
     args.out.mkdir(parents=True, exist_ok=True)
+    results = run(links, cfg, args.batch_size, seq, world, args.backend, variants, args.steps,
+                  args.rounds, workdir=args.out.resolve())
+    print(table(results))
     meta = {"world_size": world, "backend": name, "model": args.model, "config": dataclasses.asdict(cfg),
             "batch": args.batch_size, "seq": seq, "dtype": args.dtype, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if name == "nccl" else "CPU"}
