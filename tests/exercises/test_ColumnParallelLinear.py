@@ -1,0 +1,22 @@
+"""Exercise ColumnParallelLinear(linear, group=None, gather_output=False) of lab 06.
+
+Built from a full ``nn.Linear``, it keeps this rank's ``torch.tensor_split`` shard of the
+output features (rows of the weight, elements of the bias), takes the full input and
+returns its slice of the output, or the whole output with ``gather_output=True``; the
+input's gradient is summed over the group (Megatron's f). Tested at 1, 2, 3 and 4 ranks
+(3 and 4 split 10 features unevenly), with and without a bias, against the full layer's
+output and every gradient, with the collectives CommLog saw; then with gather_output and
+on a group of two ranks. The cases and checks are in tp_cases.py.
+"""
+import tp_cases
+
+NOTEBOOK = "06_tensor_parallel"
+_tests = tp_cases.make_tests("column", "ColumnParallelLinear")
+
+test_keeps_its_shard_of_weight_and_bias = _tests["shards"]
+test_output_is_this_ranks_slice = _tests["output"]
+test_input_gradient_is_summed_over_the_group = _tests["input_grad"]
+test_weight_and_bias_gradients = _tests["param_grads"]
+test_no_collective_forward_one_all_reduce_backward = _tests["communication"]
+test_gather_output_returns_the_whole_output = _tests["gather"]
+test_a_group_of_two_ranks = _tests["group"]

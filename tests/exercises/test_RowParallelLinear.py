@@ -1,0 +1,20 @@
+"""Exercise RowParallelLinear(linear, group=None) of lab 06.
+
+Built from a full ``nn.Linear``, it keeps this rank's ``torch.tensor_split`` shard of the
+input features (columns of the weight) and the whole bias, takes this rank's slice of
+the input, all-reduces the partial products (Megatron's g) and adds the bias once.
+Tested at 1, 2, 3 and 4 ranks (3 and 4 split 7 features unevenly), with and without a
+bias, against the full layer's output and every gradient, with the collectives CommLog
+saw; then on a group of two ranks. The cases and checks are in tp_cases.py.
+"""
+import tp_cases
+
+NOTEBOOK = "06_tensor_parallel"
+_tests = tp_cases.make_tests("row", "RowParallelLinear")
+
+test_keeps_its_shard_of_weight_and_the_whole_bias = _tests["shards"]
+test_output_is_the_full_layers_on_every_rank = _tests["output"]
+test_input_gradient_stays_on_its_rank = _tests["input_grad"]
+test_weight_and_bias_gradients = _tests["param_grads"]
+test_one_all_reduce_forward_none_backward = _tests["communication"]
+test_a_group_of_two_ranks = _tests["group"]
