@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU runs of labs 01-08 on two NVLink GPUs, in two parts that each fit a
+# 10-minute call:  bash tools/gpu/session.sh A|B  (from the repository root).
+#   A: issue10.sh (bench against nccl-tests, the ring), issue11.sh (ZeRO), pp_bench (lab 07)
+#   B: issue15.sh (overlap), issue16.sh (TP), the gpu tiers of every exercise, nbval 01-03
+# Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
+# and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
+set -u
+part=${1:?A or B}
+RESULTS=${RESULTS:-/tmp/gpu-$part}
+mkdir -p "$RESULTS"
+source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
+cat "$RESULTS/prelude.txt"
+run() {  # run LIMIT NAME COMMAND...: one step, its log in $RESULTS/NAME.txt
+  local limit=$1 name=$2; shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" > "$RESULTS/$name.txt" 2>&1
+  echo "=== $name: exit $? ($(date +%T))"
+  tail -n 25 "$RESULTS/$name.txt"
+}
+if [ "$part" = A ]; then
+  run 240 issue10 env OUT="$RESULTS/issue10" bash tools/gpu/issue10.sh
+  run 170 issue11 env OUT="$RESULTS/issue11" bash tools/gpu/issue11.sh
+  run 120 pp_bench python3 -m distlab.pp_bench --out "$RESULTS/pp"
+  run 60 pp_tests python3 -m pytest -q -p no:cacheprovider -m multigpu tests/test_pp.py
+else
+  run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
+  run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
+  run 120 exercises_gpu python3 -m pytest -q -rs -p no:cacheprovider -m "gpu or multigpu" \
+    tests/exercises tests/test_launch.py tests/test_nccl_raw.py
+  run 100 grade_00_04 python3 -m distlab.grade solutions/00_setup.ipynb solutions/04_data_parallel.ipynb
+  run 120 nbval_01_03 python3 -m pytest -q -p no:cacheprovider --nbval --nbval-current-env \
+    solutions/01_primitives.ipynb solutions/02_parameter_server.ipynb solutions/03_ring_allreduce.ipynb
+fi
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/gpu-$part.tgz" -C "$(dirname "$RESULTS")" "$(basename "$RESULTS")"
+fi
