@@ -340,7 +340,7 @@ def rank_gpu():
 @pytest.mark.multigpu
 def test_trains_like_one_process_on_nccl():
     """Two GPUs, NCCL, float64: every variant against one process on the CPU."""
-    for rank, found in enumerate(launch.run(rank_gpu, 2, backend="nccl", timeout=300)):
+    for rank, found in enumerate(launch.run(rank_gpu, 2, backend="nccl", timeout=120)):
         for variant in VARIANTS:
             check_like_one_process(found[variant], f"{variant} on GPU rank {rank}",
                                    dict(rtol=1e-7, atol=1e-9))

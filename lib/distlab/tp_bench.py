@@ -179,7 +179,7 @@ def _nccl_share(step, device, steps: int, path: Path) -> float | None:
     return kernels.comm_seconds() / kernels.duration
 
 
-def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=300,
+def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=120,
         workdir=None):
     """{link: {variant: figures}}: one launch on fresh ranks per link setting (``links``:
     names of :data:`LINKS`; on gloo they mean nothing and one run is labelled "gloo")."""
