@@ -21,6 +21,7 @@ from distlab.comm import CommLog, bus_factor
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
+from distlab.viz.tp import plot_bench
 from exercises import tp_cases
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
@@ -331,6 +332,8 @@ def test_bench_keeps_the_figures_of_the_variants_that_ran():
         "gloo, nonsense: ValueError: unknown variant 'nonsense'; choose from "
         f"{list(tp_bench.VARIANTS)}"]
     assert "gloo     nonsense    failed: ValueError" in tp_bench.table(results)
+    legend = plot_bench(results).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["distlab DP"]
 
 
 def rank_gpu():

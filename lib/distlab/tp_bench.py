@@ -291,9 +291,7 @@ def main(argv=None) -> int:
     (args.out / "tp_bench.json").write_text(json.dumps({"meta": meta, "links": results}, indent=1))
     from distlab.viz.tp import plot_bench
 
-    measured = {link: {n: r for n, r in rows.items() if "error" not in r}
-                for link, rows in results.items() if "error" not in rows}
-    plot_bench(measured, title=f"{args.model}, TP={world} vs DP={world}, global batch "
+    plot_bench(results, title=f"{args.model}, TP={world} vs DP={world}, global batch "
                f"{args.batch_size}x{seq}, {args.dtype}").savefig(args.out / "tp_bench.png", dpi=120,
                                                                   bbox_inches="tight")
     print(f"# wrote {args.out / 'tp_bench.json'} and {args.out / 'tp_bench.png'}")
