@@ -409,15 +409,16 @@ def on_gpus():
     from distlab import backend
 
     return {(name, m): train(name, m, device=backend.device())
-            for name in ("gpipe", "1f1b") for m in (3, 4)}
+            for name in ("gpipe", "1f1b") for m in (1, 3, 4)}  # GPipe m=1 first: see connect
 
 
 @pytest.mark.multigpu
 def test_two_nccl_stages_train_like_one_process():
-    """The GPU path: NCCL's grouped P2P, CUDA-event timelines; float32 on the GPUs
-    against one process on the CPU."""
+    """The GPU path: NCCL's grouped P2P (GPipe with one micro-batch first, whose first
+    groups need StageLink.connect), CUDA-event timelines; float32 on the GPUs against
+    one process on the CPU."""
     want_losses, want = one_process()
-    ranks = launch.run(on_gpus, 2, backend="nccl", timeout=300)
+    ranks = launch.run(on_gpus, 2, backend="nccl", timeout=30)  # a few seconds of work
     for case in ranks[0]:
         out = [r[case] for r in ranks]
         expect_close(torch.tensor(out[-1]["losses"]), torch.tensor(want_losses),
