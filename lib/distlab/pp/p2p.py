@@ -24,9 +24,9 @@ receive of the gradient in one group while stage 1 only receives, and NCCL fails
 connection setup ("Message truncated" from its bootstrap). So :meth:`StageLink.connect`
 first exchanges one element both ways with each neighbour, the same group on both
 sides, which opens both directions of every link (NCCL connects as many channels for a
-one-element message as for a large one). It runs once per link, on every backend: gloo
-does not need it, but then the CommLogs show the calls NCCL gets, and
-``nccl_deadlock`` checks this rule too.
+one-element message as for a large one). Each StageLink does it once per neighbour (a
+runner's first step), on every backend: gloo does not need it, but then the CommLogs
+show the calls NCCL gets, and ``nccl_deadlock`` checks this rule too.
 
 ``grouped=False`` issues each transfer on its own, sends first, and waits for the
 sends only at the end of the step: the order that works on gloo (its sends are
