@@ -89,6 +89,21 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
     return [base + (i < extra) for i in range(world_size)]
 
 
+def piece_layout(numel: int, world_size: int, element_size: int, backend: str) -> tuple[int, int]:
+    """(P, w): each chunk of ``numel`` elements over ``world_size`` ranks is cut into P
+    pieces of w elements (its last one shorter, or empty), the same on every rank. P is
+    :func:`piece_count` of the largest chunk; w is a multiple of :data:`ALIGN_BYTES` (of
+    the piece size instead, if :data:`PIECE_BYTES` is smaller)."""
+    biggest = -(-numel // world_size)
+    if biggest == 0:
+        return 1, 0
+    pieces = piece_count(biggest * element_size, backend)
+    align = max(1, min(ALIGN_BYTES, PIECE_BYTES or ALIGN_BYTES) // element_size)
+    width = -(-biggest // pieces)
+    width = -(-width // align) * align
+    return -(-biggest // width), width
+
+
 # ------------------------------------------------------------------------ the API
 
 
@@ -205,18 +220,7 @@ class _Ring:
         return (self.rank - step - offset) % self.size
 
     def layout(self, flat: torch.Tensor) -> tuple[int, int]:
-        """(P, w): every chunk is cut into P pieces of w elements (its last one shorter,
-        or empty), the same on every rank. P is :func:`piece_count` of the largest
-        chunk; w is a multiple of :data:`ALIGN_BYTES` (or of the piece, if smaller)."""
-        biggest = -(-flat.numel() // self.size)
-        if biggest == 0:
-            return 1, 0
-        size = flat.element_size()
-        pieces = piece_count(biggest * size, self.backend)
-        align = max(1, min(ALIGN_BYTES, PIECE_BYTES or ALIGN_BYTES) // size)
-        width = -(-biggest // pieces)
-        width = -(-width // align) * align
-        return -(-biggest // width), width
+        return piece_layout(flat.numel(), self.size, flat.element_size(), self.backend)
 
     @staticmethod
     def cut(chunk: torch.Tensor, layout: tuple[int, int]) -> list[torch.Tensor]:
