@@ -44,9 +44,10 @@ from distlab.comm import CommLog
 PIECE_BYTES_BY_BACKEND = {"nccl": (512 << 20, 512 << 20), "gloo": (2 << 20, 4 << 20)}
 PIECE_BYTES: int | None = None  # pieces of at most this, whatever the backend (tests, experiments)
 LOOKAHEAD = 2                   # exchanges issued before a received piece is added in
-# Pieces start this many bytes apart from their chunk's start. NCCL's kernels and torch's
-# additions move 16 bytes per load only where source and destination are equally aligned;
-# a 512 MiB chunk in thirds (at 4-byte offsets) halved the ring's speed on two H200s.
+# Pieces start a multiple of this many bytes into their chunk. Copy and add kernels (NCCL's
+# and torch's) load 16 bytes at a time only from aligned addresses: on two H200s, in two
+# runs, every ring whose chunks were cut in thirds (pieces at 4-byte offsets, landing in an
+# aligned scratch buffer) ran at half the speed of its neighbours with aligned pieces.
 ALIGN_BYTES = 256
 
 
@@ -220,6 +221,7 @@ class _Ring:
         return (self.rank - step - offset) % self.size
 
     def layout(self, flat: torch.Tensor) -> tuple[int, int]:
+        """:func:`piece_layout` of ``flat`` on this ring."""
         return piece_layout(flat.numel(), self.size, flat.element_size(), self.backend)
 
     @staticmethod
