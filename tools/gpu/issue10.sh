@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 10 on two NVLink GPUs (nvidia-h200-x2), from the repository root, in ~2-2.5 minutes:
-#   1. nccl-tests' six *_perf binaries, 8 B .. 1 GiB (if built in /tmp/nt by .ncclt/build.sh);
+#   1. nccl-tests' six *_perf binaries, 8 B .. 1 GiB, 50 iterations (if built in /tmp/nt by
+#      .ncclt/build.sh);
 #   2. python -m distlab.bench at 2 NCCL ranks, the same sizes, side by side with (1),
 #      back to back as nccl-tests times (median of 3 runs per size), then again in a CUDA
 #      graph (no host cost per call; median of 5 runs, the fastest beside it);
@@ -30,7 +31,7 @@ if [ -x /tmp/nt/all_reduce_perf ]; then
   [ -n "$NH" ] && export LD_LIBRARY_PATH="$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   mkdir -p "$OUT/nccl-tests"
   for op in all_reduce all_gather reduce_scatter broadcast reduce sendrecv; do
-    timeout 120 /tmp/nt/${op}_perf "${SIZES[@]}" -g 2 > "$OUT/nccl-tests/${op}_perf.txt" 2>&1
+    timeout 120 /tmp/nt/${op}_perf "${SIZES[@]}" -g 2 -w 10 -n 50 > "$OUT/nccl-tests/${op}_perf.txt" 2>&1
     echo "$op: exit $?, $(grep 'Avg bus bandwidth' "$OUT/nccl-tests/${op}_perf.txt")"
   done
   REF=(--nccl-tests "$OUT/nccl-tests")
