@@ -11,7 +11,10 @@ The test model is the course's small GPT in float64 with the awkward cases: the 
 tied to the token embedding, a frozen parameter (``ln_f.bias``), one the loss never uses
 (``unused``), 10 sequences a step (uneven over 3 and 4 ranks). A second model,
 ``Branchy``, has a middle layer that only some ranks use in a step: buckets launched in
-a different order on different ranks then hang, crash or mix up gradients.
+a different order on different ranks then hang, crash or mix up gradients. The subgroup
+case uses ``[1, 3]`` of 4 ranks, whose rank 0 is global rank 1 (``src`` of a broadcast is
+a global rank). A second backward before ``finish_gradient_synchronization()`` must raise
+a RuntimeError (its gradients would land in buckets whose all-reduce is in flight).
 
 Every check runs here, in the test process, on what the ranks returned (plain data); the
 expected values are computed here, in one process.
@@ -37,6 +40,7 @@ STEPS, LR = 3, 0.5
 CAP = 0.002          # MiB: the small GPT's gradients make 9-10 buckets
 WORLDS = [1, 2, 3, 4]
 TIMEOUT = 30           # seconds a launch may take: a deadlock is reported within it
+PAIR, PAIR_WORLD = [1, 3], 4   # a subgroup whose rank 0 is not global rank 0
 
 
 def calls(log):
@@ -96,18 +100,37 @@ def rank_cases(BucketedDDP):
 
 
 def pair_case(BucketedDDP):
-    """group=dist.new_group([0, 2]): ranks 0 and 2 average between themselves; the
-    others must be left alone (a launch of its own: code that ignores the group hangs)."""
+    """group=dist.new_group(PAIR): its ranks start from the weights of the group's rank 0
+    (global rank PAIR[0]) and average between themselves; the others must be left alone
+    (a launch of its own: code that ignores the group hangs)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    pair = dist.new_group([0, 2])
+    pair = dist.new_group(PAIR)
     model = make_model(seed=rank)
     before = snapshot(model)
     with CommLog() as log:
         ddp = BucketedDDP(model, CAP, group=pair)
+        built = snapshot(model)
         local_loss(model, 0, rank, world).backward()
         ddp.finish_gradient_synchronization()
-    return {"before": before, "after": snapshot(model), "grads": snapshot(model, "grad"),
-            "calls": calls(log)}
+    return {"before": before, "built": built, "after": snapshot(model),
+            "grads": snapshot(model, "grad"), "calls": calls(log)}
+
+
+def twice_case(BucketedDDP):
+    """Two backward passes without finish_gradient_synchronization() in between: the
+    second one's gradients reach buckets whose all-reduces are in flight. Returns the
+    class name of what the second backward raised, or None."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(unused=False)
+    ddp = BucketedDDP(model, CAP)
+    local_loss(ddp, 0, rank, world).backward()
+    try:
+        local_loss(ddp, 1, rank, world).backward()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the class name is the result
+        raised = type(e).__name__
+    dist.barrier()          # gloo's barrier waits for the first backward's all-reduces
+    return raised
 
 
 def branchy_case(BucketedDDP):
@@ -142,22 +165,31 @@ def run(student, world, case=rank_cases):
     return _runs[key]
 
 
-def run_pair(student, world):
+def run_pair(student):
     """The subgroup case; a hang there is a collective issued outside the group."""
     try:
-        return run(student, world, pair_case)
+        return run(student, PAIR_WORLD, pair_case)
     except launch.LaunchTimeout as e:
         raise AssertionError(
-            f"with group=dist.new_group([0, 2]) the ranks did not finish within {e.timeout:g} s: "
-            f"a collective issued on the default group waits for rank 1, which is not in the "
-            f"group. Pass group= to the broadcast and to every all-reduce") from None
+            f"with group=dist.new_group({PAIR}) of {PAIR_WORLD} ranks the ranks did not finish "
+            f"within {e.timeout:g} s: a collective issued on the default group waits for the "
+            f"ranks outside the group. Pass group= to the broadcast and to every all-reduce"
+        ) from None
+    except (launch.RankCrashed, launch.RankError) as e:
+        raise AssertionError(
+            f"with group=dist.new_group({PAIR}) of {PAIR_WORLD} ranks a rank failed "
+            f"({str(e).splitlines()[0]}). That group's rank 0 is global rank {PAIR[0]}, and "
+            f"dist.broadcast's src is a global rank: pass src=dist.get_global_rank(group, 0) "
+            f"(or group_src=0). A rank outside the group must return at once "
+            f"(dist.get_rank(group) < 0): no broadcast, no hooks") from None
 
 
-def local_grads(world, unused=True):
-    """Each rank's own gradients (rank 0's weights), computed here in one process."""
+def local_grads(world, unused=True, seed=0):
+    """Each rank's own gradients (on the weights of global rank ``seed``), computed here
+    in one process."""
     grads = []
     for rank in range(world):
-        model = make_model(unused=unused)
+        model = make_model(seed=seed, unused=unused)
         local_loss(model, 0, rank, world).backward()
         grads.append(snapshot(model, "grad"))
     return grads
@@ -338,29 +370,60 @@ def test_same_bucket_order_on_every_rank_when_a_layer_is_skipped(student, world)
                              f"values)")
 
 
-@pytest.mark.parametrize("world", [3])
-def test_a_group_averages_over_its_own_ranks(student, world):
-    """group=dist.new_group([0, 2]): ranks 0 and 2 average between the two of them."""
-    out = run_pair(student, world)
-    local = local_grads(world)
-    for rank in (0, 2):
-        check_mean(out[rank]["grads"], local, [0, 2],
-                   f"rank {rank} of {world}, in group [0, 2] (pass group= to the broadcast and "
-                   f"the all-reduces, divide by dist.get_world_size(group))")
+def test_a_group_starts_from_its_own_rank_0(student):
+    """group=dist.new_group([1, 3]): both start from global rank 1's weights."""
+    out = run_pair(student)
+    want, group_rank_1 = snapshot(make_model(seed=PAIR[0])), snapshot(make_model(seed=PAIR[1]))
+    for rank in PAIR:
+        for name, value in out[rank]["built"].items():
+            if rank == PAIR[0] and torch.allclose(value, group_rank_1[name]) and not (
+                    torch.allclose(value, want[name])):
+                raise AssertionError(
+                    f"rank {rank} of {PAIR_WORLD}, in group {PAIR}: after BucketedDDP(...) its "
+                    f"{name} is global rank {PAIR[1]}'s, the group's rank 1: group_src= counts "
+                    f"ranks within the group, src= counts global ranks; the group's rank 0 is "
+                    f"group_src=0, or src=dist.get_global_rank(group, 0)")
+            expect_close(value, want[name], f"rank {rank} of {PAIR_WORLD}, in group {PAIR}: "
+                         f"{name} right after BucketedDDP(...) must be the weights of the group's "
+                         f"rank 0, global rank {PAIR[0]} (dist.broadcast's src is a global rank: "
+                         f"src=dist.get_global_rank(group, 0), or group_src=0)")
 
 
-@pytest.mark.parametrize("world", [3])
-def test_a_rank_outside_the_group_is_left_alone(student, world):
-    r = run_pair(student, world)[1]
-    assert not r["calls"], (f"rank 1 is not in the group [0, 2] but called "
-                            f"{sorted({c[0] for c in r['calls']})}: a rank outside the group "
-                            f"must return at once, as torch's collectives do")
-    for name, value in r["after"].items():
-        expect_close(value, r["before"][name], f"rank 1 (outside the group): its weights of "
-                     f"{name} changed")
-    model = make_model(seed=1)
-    local_loss(model, 0, 1, world).backward()
-    for name, g in snapshot(model, "grad").items():
-        if g is not None:
-            expect_close(r["grads"][name], g, f"rank 1 (outside the group): the gradient of {name}"
-                         f" must stay its own")
+def test_a_group_averages_over_its_own_ranks(student):
+    """group=dist.new_group([1, 3]): ranks 1 and 3 average between the two of them."""
+    out = run_pair(student)
+    local = local_grads(PAIR_WORLD, seed=PAIR[0])
+    for rank in PAIR:
+        check_mean(out[rank]["grads"], local, PAIR,
+                   f"rank {rank} of {PAIR_WORLD}, in group {PAIR} (pass group= to the broadcast "
+                   f"and the all-reduces, divide by dist.get_world_size(group))")
+
+
+def test_a_rank_outside_the_group_is_left_alone(student):
+    out = run_pair(student)
+    for rank in (r for r in range(PAIR_WORLD) if r not in PAIR):
+        r = out[rank]
+        assert not r["calls"], (f"rank {rank} is not in the group {PAIR} but called "
+                                f"{sorted({c[0] for c in r['calls']})}: a rank outside the "
+                                f"group must return at once, as torch's collectives do")
+        for name, value in r["after"].items():
+            expect_close(value, r["before"][name], f"rank {rank} (outside the group): its "
+                         f"weights of {name} changed")
+        model = make_model(seed=rank)
+        local_loss(model, 0, rank, PAIR_WORLD).backward()
+        for name, g in snapshot(model, "grad").items():
+            if g is not None:
+                expect_close(r["grads"][name], g, f"rank {rank} (outside the group): the "
+                             f"gradient of {name} must stay its own")
+
+
+def test_a_second_backward_before_finish_raises(student):
+    """Backward twice without finish_gradient_synchronization(): the second backward's
+    gradients reach buckets whose all-reduce is in flight; the hook must raise."""
+    for rank, raised in enumerate(run(student, 2, twice_case)):
+        assert raised == "RuntimeError", (
+            f"rank {rank}: a second backward before finish_gradient_synchronization() "
+            + ("raised nothing" if raised is None else f"raised {raised}") +
+            ": its gradients went into buckets whose all-reduce was already in flight. In the "
+            "hook, raise a RuntimeError when the parameter's bucket has been launched, saying "
+            "to call finish_gradient_synchronization() after every backward")
