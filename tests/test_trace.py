@@ -131,7 +131,7 @@ def test_plots_draw():
         TimelinePicker({})
 
 
-def test_profile_exports_a_chrome_trace(tmp_path):
+def test_profile_exports_a_chrome_trace(tmp_path, capfd):
     torch.manual_seed(0)
     net = GPT(CFG)
     x = torch.randint(13, (2, 8))
@@ -145,3 +145,4 @@ def test_profile_exports_a_chrome_trace(tmp_path):
     assert not (tmp_path / "p.json").exists()
     with gzip.open(tmp_path / "p.json.gz") as f:
         json.load(f)
+    assert "USDT" not in capfd.readouterr().err, "Kineto's start/stop markers reached stderr"

@@ -24,6 +24,9 @@ import contextlib
 import dataclasses
 import gzip
 import json
+import os
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -238,11 +241,17 @@ def profile(step, steps: int = 2, warmup: int = 1, path=None):
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         activities.append(ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    with torch_profile(activities=activities) as prof:
+    prof = torch_profile(activities=activities)
+    with _without_kineto_markers():   # the with statement's enter and exit, quieted
+        prof.__enter__()
+    try:
         for _ in range(steps):
             step()
         if ProfilerActivity.CUDA in activities:
             torch.cuda.synchronize()
+    finally:
+        with _without_kineto_markers():
+            prof.__exit__(None, None, None)
     if path is not None:
         path = Path(path)
         if path.suffix == ".gz":
@@ -253,6 +262,30 @@ def profile(step, steps: int = 2, warmup: int = 1, path=None):
         else:
             prof.export_chrome_trace(str(path))
     return prof
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Drop the lines ``USDT:... profiler_start`` and ``... profiler_stop`` that Kineto
+    (the tracer under torch.profiler) writes to file descriptor 2 when a profile starts
+    and stops; pass every other line through. ``KINETO_LOG_LEVEL`` could silence them
+    only with Kineto's warnings and errors."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True)
+                    if not line.startswith(b"USDT:")]
+            rest = b"".join(kept)
+            while rest:
+                rest = rest[os.write(2, rest):]
 
 
 def load_chrome_trace(path) -> dict:
