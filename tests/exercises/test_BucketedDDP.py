@@ -15,6 +15,10 @@ a different order on different ranks then hang, crash or mix up gradients. The s
 case uses ``[1, 3]`` of 4 ranks, whose rank 0 is global rank 1 (``src`` of a broadcast is
 a global rank). A second backward before ``finish_gradient_synchronization()`` must raise
 a RuntimeError (its gradients would land in buckets whose all-reduce is in flight).
+After ``finish_gradient_synchronization()`` each bucket's gradients are views into one
+flat buffer, the same in every step; training matches one process whether
+``zero_grad()`` sets ``.grad`` to None or zeroes it in place; with every parameter used
+(the tied weight's hook runs once), every bucket is launched before backward returns.
 
 Every check runs here, in the test process, on what the ranks returned (plain data); the
 expected values are computed here, in one process.
@@ -66,28 +70,13 @@ def rank_cases(BucketedDDP):
                     "calls": calls(log)}
     with CommLog() as log:
         local_loss(ddp, 0, rank, world).backward()
+        backward_end = time.perf_counter()
         ddp.finish_gradient_synchronization()
-    out["overlap"] = {"calls": calls(log), "marks": marks}
-    # training (with the never-used parameter): SGD steps, the student's synchronisation
-    # between backward and step; the first step's gradients are kept
-    model = make_model()
-    ddp = BucketedDDP(model, CAP)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    with CommLog() as log:
-        for step in range(STEPS):
-            opt.zero_grad()
-            loss = local_loss(ddp, step, rank, world)
-            loss.backward()
-            ddp.finish_gradient_synchronization()
-            if step == 0:
-                first = snapshot(model, "grad")
-            opt.step()
-            losses.append(loss.detach())
-    losses = torch.stack(losses)
-    dist.all_reduce(losses)
-    out["train"] = {"losses": losses / world, "params": snapshot(model), "calls": calls(log),
-                    "grads": first}
+    out["overlap"] = {"calls": calls(log), "marks": marks, "backward_end": backward_end}
+    # training (with the never-used parameter), zero_grad() setting .grad to None, then
+    # zeroing it in place (the views stay .grad)
+    out["train"] = train(BucketedDDP, set_to_none=True)
+    out["train in place"] = train(BucketedDDP, set_to_none=False)
     # one bucket per parameter, and one bucket for everything
     for cap in (None, 25):
         model = make_model()
@@ -97,6 +86,41 @@ def rank_cases(BucketedDDP):
             ddp.finish_gradient_synchronization()
         out[f"cap={cap}"] = {"grads": snapshot(model, "grad"), "calls": calls(log)}
     return out
+
+
+def train(BucketedDDP, set_to_none):
+    """SGD steps on the model with the never-used parameter, the student's
+    synchronisation between backward and step; keeps the first step's gradients and, in
+    every step, where each gradient lives (plain data)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    ddp = BucketedDDP(model, CAP)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses, places = [], []
+    with CommLog() as log:
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = local_loss(ddp, step, rank, world)
+            loss.backward()
+            ddp.finish_gradient_synchronization()
+            if step == 0:
+                first = snapshot(model, "grad")
+            places.append(grad_places(model))
+            opt.step()
+            losses.append(loss.detach())
+    losses = torch.stack(losses)
+    dist.all_reduce(losses)
+    return {"losses": losses / world, "params": snapshot(model), "calls": calls(log),
+            "grads": first, "places": places}
+
+
+def grad_places(model):
+    """Where each .grad lives: (address of its storage, byte offset in it, bytes), or
+    None for no gradient."""
+    return {n: None if p.grad is None else (
+        p.grad.untyped_storage().data_ptr(), p.grad.data_ptr()
+        - p.grad.untyped_storage().data_ptr(), p.grad.numel() * p.grad.element_size())
+        for n, p in model.named_parameters()}
 
 
 def pair_case(BucketedDDP):
@@ -260,6 +284,61 @@ def test_training_matches_one_process(student, world):
                      f"rank {rank} of {world}: the loss of each step")
 
 
+@pytest.mark.parametrize("world", [2])
+def test_training_matches_one_process_when_zero_grad_zeroes_in_place(student, world):
+    """zero_grad(set_to_none=False) zeroes each .grad in place: it stays the bucket's
+    view, and autograd adds the next gradient into it."""
+    losses, want = one_process(make_model(), STEPS, LR)
+    for rank, r in enumerate(run(student, world)):
+        for name, value in r["train in place"]["params"].items():
+            expect_close(value, want[name], f"rank {rank} of {world}, zero_grad(set_to_none="
+                         f"False) between steps: weights of {name} after {STEPS} SGD steps, "
+                         f"against one process. Here each .grad is already your view when its "
+                         f"hook runs and holds this backward's gradient: leave it, and never "
+                         f"zero a bucket in a hook (that erases gradients already in it)")
+        expect_close(r["train in place"]["losses"], losses,
+                     f"rank {rank} of {world}, zero_grad(set_to_none=False): the loss of each "
+                     f"step")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_gradients_are_views_into_one_buffer_per_bucket(student, world):
+    """After finish_gradient_synchronization() the gradients of one bucket are views into
+    one flat buffer (disjoint pieces of one storage), one buffer per bucket, the same
+    buffers in every step."""
+    names = [n for n, p in make_model().named_parameters() if p.requires_grad]
+    params = [p for p in make_model().parameters() if p.requires_grad]
+    plan = [[names[i] for i in idx] for idx in plan_buckets(params, CAP)]
+    for rank, r in enumerate(run(student, world)):
+        for case in ("train", "train in place"):
+            first = None
+            for step, places in enumerate(r[case]["places"]):
+                where = f"rank {rank} of {world}, {case}, step {step}"
+                buffers = []
+                for bucket in plan:
+                    held = {n: places[n] for n in bucket if places[n] is not None}
+                    storages = {place[0] for place in held.values()}
+                    assert len(storages) <= 1, (
+                        f"{where}: the gradients of the bucket {bucket} live in {len(storages)}"
+                        f" separate tensors after finish_gradient_synchronization(): make each "
+                        f".grad a view into the bucket's flat buffer (in the hook, copy a fresh "
+                        f".grad into the view and set p.grad = view; compare p.grad.data_ptr() "
+                        f"with view.data_ptr() to tell)")
+                    pieces = sorted((off, off + size) for _, off, size in held.values())
+                    assert all(a[1] <= b[0] for a, b in zip(pieces, pieces[1:])), (
+                        f"{where}: gradients of the bucket {bucket} overlap in its buffer")
+                    buffers.append(storages)
+                shared = [s for s in buffers if s]
+                assert len(set().union(*shared)) == len(shared), (
+                    f"{where}: two buckets share one buffer; give each bucket a flat buffer of "
+                    f"its own")
+                if first is None:
+                    first = buffers
+                assert buffers == first, (
+                    f"{where}: the gradients live in other buffers than in step 0: allocate "
+                    f"each bucket's flat buffer once, at construction, and reuse it")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_rank_0_weights_are_broadcast_and_module_is_kept(student, world):
     start = snapshot(make_model(unused=False))
@@ -337,6 +416,23 @@ def test_the_first_all_reduce_starts_before_the_last_gradient(student, world):
             f"{1e3 * (min(starts) - last):.2f} ms after the last gradient was computed. Launch "
             f"each bucket from a backward hook (register_post_accumulate_grad_hook) as soon as "
             f"its gradients are all there, not in finish_gradient_synchronization()")
+
+
+@pytest.mark.parametrize("world", [2])
+def test_every_bucket_is_launched_during_backward(student, world):
+    """With every parameter used, every bucket completes during backward and is launched
+    from a hook, the last one included; the tied head/embedding weight is one parameter
+    whose hook runs once, after both of its uses' gradients are summed."""
+    for rank, r in enumerate(run(student, world)):
+        case = r["overlap"]
+        late = [c for c in all_reduces(case["calls"]) if c[3] >= case["backward_end"]]
+        assert not late, (
+            f"rank {rank} of {world}: {len(late)} all-reduce(s) of {[c[1] for c in late]} bytes "
+            f"started after backward returned, though every parameter got its gradient: launch "
+            f"a bucket from the hook that completes it. A parameter counts once: the hook of "
+            f"the tied head/embedding weight runs once per backward, after autograd has "
+            f"summed both of its uses (one hook per parameter of module.parameters(); keep a "
+            f"set of ready parameters, not a count of hook calls)")
 
 
 @pytest.mark.parametrize("world", [2, 3])
