@@ -19,6 +19,8 @@ After ``finish_gradient_synchronization()`` each bucket's gradients are views in
 flat buffer, the same in every step; training matches one process whether
 ``zero_grad()`` sets ``.grad`` to None or zeroes it in place; with every parameter used
 (the tied weight's hook runs once), every bucket is launched before backward returns.
+``TiedPair`` shares one weight between two modules: counted twice (hooks registered
+module by module), its bucket would launch before its other gradients are in.
 
 Every check runs here, in the test process, on what the ranks returned (plain data); the
 expected values are computed here, in one process.
@@ -29,6 +31,7 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from dp_cases import (Branchy, branchy_backward, branchy_means, local_loss, make_model,
                       one_process, snapshot)
 
@@ -155,6 +158,37 @@ def twice_case(BucketedDDP):
         raised = type(e).__name__
     dist.barrier()          # gloo's barrier waits for the first backward's all-reduces
     return raised
+
+
+class TiedPair(nn.Module):
+    """``b`` reuses ``a``'s weight (one parameter in two modules), applied after ``pre``:
+    backward completes the shared weight's gradient before ``pre``'s, in one bucket."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+        self.pre = nn.Linear(3, 4)
+        self.double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(torch.tanh(self.pre(x)))))
+
+
+def tied_backward(model, rank):
+    torch.manual_seed(rank)
+    model(torch.randn(5, 3, dtype=torch.float64)).pow(2).sum().backward()
+
+
+def tied_case(BucketedDDP):
+    """One backward of TiedPair, everything in one bucket."""
+    model = TiedPair()
+    ddp = BucketedDDP(model, 25)
+    with CommLog() as log:
+        tied_backward(ddp, dist.get_rank())
+        ddp.finish_gradient_synchronization()
+    return {"grads": snapshot(model, "grad"), "calls": calls(log)}
 
 
 def branchy_case(BucketedDDP):
@@ -433,6 +467,34 @@ def test_every_bucket_is_launched_during_backward(student, world):
             f"the tied head/embedding weight runs once per backward, after autograd has "
             f"summed both of its uses (one hook per parameter of module.parameters(); keep a "
             f"set of ready parameters, not a count of hook calls)")
+
+
+def test_a_weight_shared_by_two_modules_counts_once(student):
+    """TiedPair: ``a`` and ``b`` share one weight. Its hook runs once per backward (twice
+    only if registered twice, e.g. module by module); counted twice, the bucket would
+    launch before ``pre``'s gradients are in."""
+    hint = ("a weight shared by two modules is one parameter: register one hook per "
+            "parameter of module.parameters() (not module by module, which registers two on "
+            "it, and both run), and keep the ready parameters in a set, not a count of hook "
+            "calls")
+    try:
+        out = run(student, 2, tied_case)
+    except (launch.RankCrashed, launch.RankError) as e:
+        raise AssertionError(f"with a weight shared by two modules a rank failed "
+                             f"({str(e).splitlines()[0]}): {hint}") from None
+    local = []
+    for rank in range(2):
+        model = TiedPair()
+        tied_backward(model, rank)
+        local.append(snapshot(model, "grad"))
+    for rank, r in enumerate(out):
+        sizes = [c[1] for c in all_reduces(r["calls"])]
+        assert len(sizes) == 1, (f"rank {rank}: {describe_buckets(sizes)} for a model whose "
+                                 f"3 gradients fit one bucket of 25 MiB")
+        for name, want in local[0].items():
+            expect_close(r["grads"][name], (want + local[1][name]) / 2,
+                         f"rank {rank}: the gradient of {name} (not the mean: was the bucket "
+                         f"launched before pre's gradients were in? {hint})")
 
 
 @pytest.mark.parametrize("world", [2, 3])
