@@ -525,3 +525,9 @@ def test_the_gpu_bench_runs_on_cpus_and_reports():
     text = zero_bench.report(results)
     assert "ZeRO-3 / FSDP2 step time: AdamW foreach" in text and "ZeRO-2" in text
     assert plot_gpu_figures(results).axes
+    # a variant that failed (FSDP2 with the fused AdamW, say) keeps the others' figures
+    runs["fused"]["FSDP2"] = {"error": "RuntimeError: no fused AdamW here"}
+    del results[0]["speed"]["ZeRO-3 / FSDP2"]["fused"]
+    text = zero_bench.report(results)
+    assert "FSDP2   RuntimeError: no fused AdamW here" in text and "AdamW foreach" in text
+    assert plot_gpu_figures(results).axes

@@ -241,7 +241,6 @@ def speed_section(cfg, batch: int, seq: int, steps: int, warmup: int, rounds: in
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from distlab import backend
-    from distlab.comm import CommLog
     from distlab.zero import FullyShardedDataParallel
 
     device = backend.device()
@@ -265,46 +264,63 @@ def speed_section(cfg, batch: int, seq: int, steps: int, warmup: int, rounds: in
         for opt_name, kwargs in OPTIMIZERS.items():
             for name, build in (("ZeRO-3", ours), ("FSDP2", fsdp2)):
                 _release(device)
-                net, opt = build(kwargs)
-                for _ in range(warmup):
-                    _train_step(net, opt, tokens)
-                _sync()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    _train_step(net, opt, tokens)
-                _sync()
-                step = (time.perf_counter() - start) / steps
-                phases = {"backward": [], "optimizer": [], "optimizer host": []}
-                for _ in range(3):
-                    opt.zero_grad(set_to_none=False)
-                    _sync()
-                    begin = time.perf_counter()
-                    _loss(net, tokens).backward()
-                    if hasattr(net, "finish_gradient_synchronization"):
-                        net.finish_gradient_synchronization()
-                    _sync()
-                    middle = time.perf_counter()
-                    opt.step()
-                    issued = time.perf_counter()
-                    _sync()
-                    phases["backward"].append(middle - begin)
-                    phases["optimizer"].append(time.perf_counter() - middle)
-                    phases["optimizer host"].append(issued - middle)
-                run = {"step": step, **{k: min(v) for k, v in phases.items()}}
-                if round_ == 0:
-                    with CommLog() as log:
-                        _train_step(net, opt, tokens)
-                    _sync()
-                    run["traffic"] = {op: [log.count(op), log.nbytes(op)] for op in TRAFFIC
-                                      if log.count(op)}
+                best = runs[opt_name].get(name)
+                if best is not None and "error" in best:
+                    continue
+                try:
+                    run = _timed_run(build, kwargs, tokens, steps, warmup, traffic=best is None)
+                except Exception as e:  # one failing setup must not cost the others' figures
+                    runs[opt_name][name] = {"error": f"{type(e).__name__}: {e}"}
+                    continue
+                if best is None:
                     runs[opt_name][name] = run
                 else:
-                    best = runs[opt_name][name]
-                    for k in ("step", *phases):
+                    for k in ("step", "backward", "optimizer", "optimizer host"):
                         best[k] = min(best[k], run[k])
-                del net, opt
-    ratios = {o: r["ZeRO-3"]["step"] / r["FSDP2"]["step"] for o, r in runs.items()}
+    ratios = {o: r["ZeRO-3"]["step"] / r["FSDP2"]["step"] for o, r in runs.items()
+              if "step" in r.get("ZeRO-3", {}) and "step" in r.get("FSDP2", {})}
     return {"runs": runs, "ZeRO-3 / FSDP2": ratios, "tokens_per_rank": batch * seq}
+
+
+def _timed_run(build, kwargs, tokens, steps: int, warmup: int, traffic: bool) -> dict:
+    """One wrapper with one AdamW: seconds per step over ``steps`` back-to-back steps,
+    the best of 3 of its backward and its optimizer step timed apart (and the host's time
+    to issue the step), and with ``traffic`` the calls and bytes of each collective of
+    one step."""
+    from distlab.comm import CommLog
+
+    net, opt = build(kwargs)
+    for _ in range(warmup):
+        _train_step(net, opt, tokens)
+    _sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        _train_step(net, opt, tokens)
+    _sync()
+    run = {"step": (time.perf_counter() - start) / steps}
+    phases = {"backward": [], "optimizer": [], "optimizer host": []}
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        _sync()
+        begin = time.perf_counter()
+        _loss(net, tokens).backward()
+        if hasattr(net, "finish_gradient_synchronization"):
+            net.finish_gradient_synchronization()
+        _sync()
+        middle = time.perf_counter()
+        opt.step()
+        issued = time.perf_counter()
+        _sync()
+        phases["backward"].append(middle - begin)
+        phases["optimizer"].append(time.perf_counter() - middle)
+        phases["optimizer host"].append(issued - middle)
+    run.update({k: min(v) for k, v in phases.items()})
+    if traffic:
+        with CommLog() as log:
+            _train_step(net, opt, tokens)
+        _sync()
+        run["traffic"] = {op: [log.count(op), log.nbytes(op)] for op in TRAFFIC if log.count(op)}
+    return run
 
 
 def rank_bench(cfg, batch: int, seq: int, steps: int, warmup: int, sections: tuple) -> dict:
@@ -405,6 +421,9 @@ def _speed_table(speed: dict) -> list[str]:
              f"   per step and rank: calls x bytes"]
     for opt_name, runs in speed["runs"].items():
         for name, r in runs.items():
+            if "error" in r:
+                lines.append(f"{opt_name:<9}{name:<8}{r['error']}")
+                continue
             moved = ", ".join(f"{op} {n} x {memory.human(b)}"
                               for op, (n, b) in r.get("traffic", {}).items())
             lines.append(f"{opt_name:<9}{name:<8}{1e3 * r['step']:>8.1f}"

@@ -271,10 +271,12 @@ def plot_gpu_figures(results: list[dict]):
                        fontsize=10)
         m_ax.legend(fontsize=7, ncol=2, loc="upper center")
     speed = results[0].get("speed", {})
-    if "runs" in speed:
+    if any("step" in r for runs in speed.get("runs", {}).values() for r in runs.values()):
         labels, steps, optims = [], [], []
         for opt_name, runs in speed["runs"].items():
             for name, r in runs.items():
+                if "error" in r:
+                    continue
                 labels.append(f"{name}\nAdamW {opt_name}")
                 steps.append(1e3 * r["step"])
                 optims.append(1e3 * r["optimizer"])
