@@ -41,8 +41,36 @@ def test_time_op_is_the_run_over_its_length_and_time_each_the_median():
         bench.time_op(lambda: None, graph=True)
 
 
-def _sweep(ops, sizes, each=0):
-    return bench.sweep(ops, sizes, warmup=1, iters=2, each=each)
+def test_time_runs_repeats_the_whole_run():
+    calls = []
+    durations = iter([0.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.0, 0.0, 0.0])  # run 2's calls are slow
+
+    def fn():
+        calls.append(1)
+        time.sleep(next(durations))
+
+    runs = bench.time_runs(fn, warmup=1, iters=2, repeats=3)
+    assert len(calls) == 9, "each run: its warm-up call, then 2 timed calls"
+    assert len(runs) == 3 and runs[1] >= 0.25 and max(runs[0], runs[2]) < 0.1, runs
+    with pytest.raises(ValueError, match="repeats"):
+        bench.time_runs(lambda: None, repeats=0)
+
+
+def _sweep(ops, sizes, each=0, repeats=1):
+    return bench.sweep(ops, sizes, warmup=1, iters=2, each=each, repeats=repeats)
+
+
+def test_repeats_report_the_median_and_the_fastest():
+    rows = launch.run(_sweep, 2, ("all_reduce",), [4096, 1 << 16], 0, 3, backend="gloo",
+                      timeout=60)[0]
+    assert all(0 < r.fastest <= r.seconds for r in rows)
+    header = next(line for line in bench.table(rows).splitlines() if "busbw" in line)
+    assert header.split()[-1] == "min(us)"
+    ref = bench.read_nccl_tests(NCCL_TESTS_ALL_REDUCE)
+    row = bench.Row("all_reduce", 8, 2, "float32", 20.0e-6, 0.4e6, 0.4e6, fastest=17.8e-6)
+    compared = bench.compare([row], {"all_reduce": ref})
+    assert compared[0]["best_ratio"] == pytest.approx(1.0)
+    assert bench.comparison_table(compared).splitlines()[2].split()[-2:] == ["1.12", "1.00"]
 
 
 def test_sweep_rows_follow_nccl_tests():
@@ -170,7 +198,7 @@ def test_sweep_on_one_gpu():
 
 
 def _graphed(ops, sizes):
-    return bench.sweep(ops, sizes, warmup=2, iters=5, graph=True)
+    return bench.sweep(ops, sizes, warmup=2, iters=5, graph=True, repeats=2)
 
 
 @pytest.mark.multigpu
@@ -179,3 +207,4 @@ def test_sweep_on_two_gpus_eager_and_in_a_cuda_graph():
         rows = launch.run(fn, 2, bench.OPS, [8, 1 << 20], backend="nccl", timeout=120)[0]
         assert [r.op for r in rows] == [op for op in bench.OPS for _ in (1, 2)]
         assert all(r.seconds > 0 for r in rows)
+        assert all(r.fastest <= r.seconds for r in rows if fn is _graphed)

@@ -30,12 +30,12 @@ class Log:
         self.records.append(self._event(op, peer, nbytes, None, ranks))
         return self
 
-    def batch(self, *ops):
+    def batch(self, *ops, ranks=None):
         """ops: (op, peer) or (op, peer, nbytes)."""
         self._batch += 1
         for op, peer, *nbytes in ops:
             self.records.append(self._event(op, peer, nbytes[0] if nbytes else 16,
-                                            self._batch, None))
+                                            self._batch, ranks))
         return self
 
 
@@ -152,6 +152,83 @@ def test_logs_may_be_commlogs_and_absent_ranks_are_none():
     logs = [CommLog.from_records(r, rank) for rank, r in enumerate(ring_shift_batched(3))]
     assert nccl_deadlock(logs) is None
     assert nccl_deadlock([None, None]) is None
+
+
+# ------------------------------------------------- NCCL's lazy connection of a pair
+
+
+def old_pipeline_first_step(p):
+    """GPipe with one micro-batch over p stages, as the pipeline runtime first issued it:
+    stage s's first group with s+1 sends the activation and receives the gradient; s+1's
+    first group with s only receives the activation (it failed on two H200s with
+    "Message truncated")."""
+    logs = [Log(s, p) for s in range(p)]
+    for s, log in enumerate(logs):
+        if s > 0:
+            log.batch(("irecv", s - 1))
+        if s < p - 1:
+            log.batch(("isend", s + 1), ("irecv", s + 1))
+        if s > 0:
+            log.batch(("isend", s - 1))
+    return logs
+
+
+def warmed_up(p, logs):
+    """The same logs after a warm-up: each stage first exchanges one element both ways
+    with each neighbour, lower stages first."""
+    out = []
+    for s, log in enumerate(logs):
+        warm = Log(s, p)
+        for peer in (s - 1, s + 1):
+            if 0 <= peer < p:
+                warm.batch(("isend", peer, 4), ("irecv", peer, 4))
+        out.append(warm.records + [dict(r, batch=r["batch"] and r["batch"] + 100)
+                                   for r in log.records])
+    return out
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_first_groups_that_ask_for_different_connections_are_named(p):
+    logs = old_pipeline_first_step(p)
+    found = nccl_deadlock([log.records for log in logs])
+    assert found is not None and "first connection between two ranks would fail" in found
+    assert ("rank 0's first exchange with rank 1 is its batch_isend_irecv of calls 1-2 (isend "
+            "of 16 B to rank 1, irecv of 16 B from rank 1), which sends to and receives from "
+            "rank 1; rank 1's first exchange with rank 0 is its batch_isend_irecv of call 1 "
+            "(irecv of 16 B from rank 0), which only receives from rank 0.") in found
+    assert "Message truncated" in found and "would hang" not in found
+    assert found.count("first exchange with rank") == 2 * min(p - 1, 3)  # every pair
+    assert nccl_deadlock(warmed_up(p, logs)) is None
+
+
+def test_one_way_pairs_and_symmetric_first_groups_connect():
+    """A ring shift (each pair exchanges one way), two ranks that both send and receive
+    in their first group, and a second direction opened later on both sides."""
+    assert nccl_deadlock(ring_shift_batched(3)) is None
+    assert nccl_deadlock(ring_shift_batched(2)) is None
+    later = [Log(0).batch(("isend", 1)).call("recv", 1).records,
+             Log(1).batch(("irecv", 0)).call("send", 0).records]
+    assert nccl_deadlock(later) is None
+    single = [Log(0).call("isend", 1).call("irecv", 1).records,
+              Log(1).batch(("irecv", 0), ("isend", 0)).records]
+    found = nccl_deadlock(single)
+    assert "rank 0's first exchange with rank 1 is its isend of 16 B to rank 1 (call 1), " \
+           "which only sends to rank 1; rank 1's first exchange" in found
+    assert "which sends to and receives from rank 0" in found
+
+
+def test_connections_are_per_process_group():
+    """NCCL connects a pair once per communicator: on a subgroup of the same two ranks
+    their first groups must agree again."""
+    pair = (0, 1)
+    logs = [Log(0, 3).batch(("isend", 1), ("irecv", 1))
+            .batch(("isend", 1), ("irecv", 1), ranks=pair).records,
+            Log(1, 3).batch(("irecv", 0), ("isend", 0))
+            .batch(("irecv", 0), ranks=pair).batch(("isend", 0), ranks=pair).records, None]
+    found = nccl_deadlock(logs)
+    assert found.count("first exchange with rank") == 2 and "would hang" not in found
+    assert "rank 0's first exchange with rank 1 is its batch_isend_irecv of calls 3-4" in found
+    assert "rank 1's first exchange with rank 0 is its batch_isend_irecv of call 3 " in found
 
 
 # ------------------------------------------------------------- real gloo runs, recorded

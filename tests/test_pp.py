@@ -67,11 +67,14 @@ def one_process():
     return losses, dict(model.named_parameters(remove_duplicate=False))
 
 
-def train(name, m, grouped=True, device="cpu"):
-    """This rank's stage trained STEPS steps; plain data back."""
+def train(name, m, grouped=True, device="cpu", connect=True):
+    """This rank's stage trained STEPS steps; plain data back. ``connect=False`` skips
+    the runtime's first exchange with each neighbour (it takes the links for connected)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     stage = pp.Stage(make_model().to(device), rank, world)
     runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m), grouped=grouped)
+    if not connect:
+        runner.link.connected |= {rank - 1, rank + 1}
     losses, logs = [], []
     for step in range(STEPS):
         with CommLog() as log:
@@ -90,6 +93,9 @@ def every_case():
     out = {(name, m): train(name, m) for name in ("gpipe", "1f1b") for m in MICROBATCHES[world]}
     if world > 1:
         out["separate"] = train("1f1b", MICROBATCHES[world][0], grouped=False)
+        for name in ("gpipe", "1f1b"):  # m = 1: the first step's groups are one-sided
+            out[(name, 1)] = train(name, 1)
+        out["unconnected"] = train("gpipe", 1, connect=False)
     return out
 
 
@@ -262,21 +268,24 @@ def test_training_matches_one_process(world, name, m):
 
 @pytest.mark.parametrize("world, name, m", [c for c in CASES if c[0] > 1])
 def test_only_point_to_point_traffic_of_the_right_size(world, name, m):
+    """Activations and gradients, the tied gradient, and in the first step one float32
+    each way per link (the runtime's connection)."""
     rows = [len(r) for r in torch.arange(BATCH).tensor_split(m)]
     act = [4 * n * SEQ * CFG.d_model for n in rows]
     tied = 4 * VOCAB * CFG.d_model
     for s, r in enumerate(run(world)[(name, m)]):
-        for records in r["logs"]:
+        for step, records in enumerate(r["logs"]):
             log = CommLog.from_records(records, s)
             assert not log.collectives(), [e.op for e in log.collectives()]
             sent = {}
             for e in log.select(("send", "isend")):
                 sent.setdefault(e.peer, []).append(e.nbytes)
             want = {}
+            connect = [4] if step == 0 else []
             if s < world - 1:
-                want[s + 1] = act
+                want[s + 1] = act + connect
             if s > 0:
-                want[s - 1] = act
+                want[s - 1] = act + connect
             if s in (0, world - 1):
                 want[world - 1 - s] = want.get(world - 1 - s, []) + [tied]
             assert {k: sorted(v) for k, v in sent.items()} == \
@@ -284,22 +293,55 @@ def test_only_point_to_point_traffic_of_the_right_size(world, name, m):
             assert all(e.batch is not None for e in log.events), "every transfer in a batch"
 
 
-@pytest.mark.parametrize("world, name, m", [c for c in CASES if c[0] > 1])
+def whole_run(out):
+    """Every rank's calls over all the steps of a run: the logs of its steps, in order."""
+    return [[e for records in r["logs"] for e in records] for r in out]
+
+
+@pytest.mark.parametrize("world, name, m", [c for c in CASES if c[0] > 1] +
+                         [(w, name, 1) for w in (2, 3, 4) for name in ("gpipe", "1f1b")])
 def test_the_transfers_obey_nccl_rules(world, name, m):
+    """No hang and, from the first step's connection on, first groups that NCCL can
+    connect; m = 1 is the case whose first groups are one-sided without it."""
     out = run(world)[(name, m)]
-    for step in range(STEPS):
-        problem = nccl_deadlock([r["logs"][step] for r in out])
-        assert problem is None, problem
+    problem = nccl_deadlock(whole_run(out))
+    assert problem is None, problem
+    if m == 1:
+        expect_close(torch.tensor(out[-1]["losses"]), torch.tensor(one_process()[0]),
+                     f"{name}, {world} stages, m=1: loss per step", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_without_the_connection_nccls_setup_would_fail(world):
+    """GPipe with one micro-batch, the first exchange with each neighbour left out: it
+    runs on gloo, and the checker names what failed on two H200s ("Message
+    truncated"): stage 0 sends and receives in its first group with stage 1, which only
+    receives."""
+    out = run(world)["unconnected"]
+    assert out[-1]["losses"] == run(world)[("gpipe", 1)][-1]["losses"]
+    problem = nccl_deadlock(whole_run(out))
+    assert problem is not None and "would hang" not in problem, problem
+    assert "first connection between two ranks would fail" in problem
+    assert "rank 1's first exchange with rank 0 is its batch_isend_irecv of call 1 " in problem
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_separate_sends_and_receives_are_flagged(world):
     """The same 1F1B step with each transfer on its own, sends first: it runs on gloo
-    (the losses are right) but NCCL would hang, and the checker says so."""
+    (the losses are right) but NCCL would hang, and the checker says so. The first
+    exchange with each neighbour is still one group, so NCCL would connect those pairs;
+    not so the first and last stage (3 stages or more), whose tied gradients now go as
+    two separate sends."""
     out = run(world)["separate"]
     assert out[-1]["losses"] == run(world)[("1f1b", MICROBATCHES[world][0])][-1]["losses"]
-    problem = nccl_deadlock([r["logs"][0] for r in out])
+    problem = nccl_deadlock(whole_run(out))
     assert problem is not None and "would hang" in problem, problem
+    if world == 2:
+        assert "first connection" not in problem, problem
+    else:
+        assert (f"rank 0's first exchange with rank {world - 1} is its isend of "
+                f"{4 * VOCAB * CFG.d_model} B to rank {world - 1}") in problem, problem
+        assert problem.count("first exchange with") == 2, problem
 
 
 @pytest.mark.parametrize("world, name, m", CASES)
@@ -367,15 +409,16 @@ def on_gpus():
     from distlab import backend
 
     return {(name, m): train(name, m, device=backend.device())
-            for name in ("gpipe", "1f1b") for m in (3, 4)}
+            for name in ("gpipe", "1f1b") for m in (1, 3, 4)}  # GPipe m=1 first: see connect
 
 
 @pytest.mark.multigpu
 def test_two_nccl_stages_train_like_one_process():
-    """The GPU path: NCCL's grouped P2P, CUDA-event timelines; float32 on the GPUs
-    against one process on the CPU."""
+    """The GPU path: NCCL's grouped P2P (GPipe with one micro-batch first, whose first
+    groups need StageLink.connect), CUDA-event timelines; float32 on the GPUs against
+    one process on the CPU."""
     want_losses, want = one_process()
-    ranks = launch.run(on_gpus, 2, backend="nccl", timeout=300)
+    ranks = launch.run(on_gpus, 2, backend="nccl", timeout=30)  # a few seconds of work
     for case in ranks[0]:
         out = [r[case] for r in ranks]
         expect_close(torch.tensor(out[-1]["losses"]), torch.tensor(want_losses),
@@ -387,7 +430,7 @@ def test_two_nccl_stages_train_like_one_process():
         events = [e for r in out for e in r["timeline"]]
         assert all(e["start"] <= e["end"] for e in events)
         assert 0.0 <= pp.idle_fraction(events, 2) < 1.0
-        assert nccl_deadlock([r["logs"][0] for r in out]) is None
+        assert nccl_deadlock(whole_run(out)) is None
 
 
 # ------------------------------------------------------------------- plots and bench

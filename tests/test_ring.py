@@ -93,27 +93,65 @@ def test_equals_the_single_process_sum_on_gpus():
         assert failures == [], f"rank {rank}: {failures[:5]}"
 
 
-def _large(sizes):
-    """Large buffers on GPUs, of odd lengths: many pieces per chunk at NCCL's piece size."""
+def _large(sizes, piece_bytes):
+    """Large buffers on GPUs, of odd lengths: whole chunks (NCCL's pieces), then pieces."""
     rank, K, device = dist.get_rank(), dist.get_world_size(), backend.device()
     failures = []
-    for numel in sizes:
-        g = torch.Generator(device=device).manual_seed(numel)
-        xs = [torch.randint(-8, 8, (numel,), generator=g, device=device).float()
-              for _ in range(K)]
-        x = xs[rank].clone()
-        ring.ring_allreduce(x)
-        if not torch.equal(x, sum(xs)):
-            failures.append(f"ring_allreduce of {numel} float32 on {K} GPUs")
+    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, piece_bytes
+    try:
+        for numel in sizes:
+            g = torch.Generator(device=device).manual_seed(numel)
+            xs = [torch.randint(-8, 8, (numel,), generator=g, device=device).float()
+                  for _ in range(K)]
+            x = xs[rank].clone()
+            ring.ring_allreduce(x)
+            if not torch.equal(x, sum(xs)):
+                failures.append(f"ring_allreduce of {numel} float32 on {K} GPUs, pieces of "
+                                f"{piece_bytes or 'default'} B")
+    finally:
+        ring.PIECE_BYTES = saved
     return failures
 
 
 @pytest.mark.multigpu
-def test_large_buffers_on_gpus():
-    """256 MiB hung before the ring issued the same groups on every rank."""
+@pytest.mark.parametrize("piece_bytes", [None, 48 << 20])
+def test_large_buffers_on_gpus(piece_bytes):
+    """256 MiB hung before the ring issued the same groups on every rank; 48 MiB pieces
+    cut its 128 MiB chunks in three."""
     sizes = [(1 << 20) + 3, (64 << 18) + 5, 256 << 18]
-    for rank, failures in enumerate(launch.run(_large, 2, sizes, backend="nccl", timeout=300)):
+    for rank, failures in enumerate(launch.run(_large, 2, sizes, piece_bytes, backend="nccl",
+                                               timeout=300)):
         assert failures == [], f"rank {rank}: {failures}"
+
+
+def test_piece_count_follows_the_backend():
+    MiB = 1 << 20
+    assert [ring.piece_count(c * MiB, "nccl") for c in (32, 256, 512, 768, 2048)] == [1, 1, 1, 2, 4]
+    # gloo: at most 4 MiB, and LOOKAHEAD + 1 pieces while each keeps 2 MiB
+    assert [ring.piece_count(c * MiB, "gloo") for c in (1, 3, 4, 6, 16, 64)] == [1, 1, 2, 3, 4, 16]
+    assert ring.piece_count(0, "nccl") == 1
+
+
+@pytest.mark.parametrize("numel,K,size,backend_name", [
+    (1 << 28, 2, 4, "nccl"), ((3 << 28) // 2, 2, 4, "nccl"), ((1 << 26) + 7, 3, 4, "nccl"),
+    ((1 << 24) + 5, 4, 2, "gloo"), (101, 3, 8, "gloo"), (5, 7, 4, "gloo"), (0, 2, 4, "gloo")])
+def test_pieces_are_aligned_and_cover_every_chunk(numel, K, size, backend_name):
+    P, width = ring.piece_layout(numel, K, size, backend_name)
+    biggest = max(ring.chunk_sizes(numel, K))
+    assert width * size % ring.ALIGN_BYTES == 0      # each piece starts 256 B into its chunk
+    assert P <= ring.piece_count(biggest * size, backend_name)  # rounding up merges, never adds
+    if biggest:                                       # no empty piece in the largest chunk
+        assert (P - 1) * width < biggest <= P * width
+
+
+def test_pieces_of_a_third_of_512_MiB_are_aligned():
+    """The layout that halved the ring's speed: a 512 MiB chunk in three, at 4-byte offsets."""
+    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, 171 << 20
+    try:
+        P, width = ring.piece_layout(1 << 28, 2, 4, "nccl")
+    finally:
+        ring.PIECE_BYTES = saved
+    assert P == 3 and width * 4 % 256 == 0 and 3 * width >= 1 << 27
 
 
 def _subgroups():
@@ -306,7 +344,10 @@ def test_bench_checks_answers_and_reports_ratios(tmp_path):
     assert list(result.seconds) == ["backend", "plain ring", "reference ring"]
     assert all(t > 0 for ts in result.seconds.values() for t in ts)
     assert all(r > 0 for rs in result.ratio.values() for r in rs)
-    assert "reference ring / backend" in result.table()
+    for name, ratios in result.ratio.items():  # the median lies within the rounds' range
+        assert all(low <= r <= high for r, (low, high) in zip(ratios, result.spread[name]))
+    assert "median (min-max) of 2 rounds" in result.table()
+    assert "reference ring" in result.table()
     rs = ring_bench.measure("reduce_scatter", [65536], 4, rounds=1)
     assert list(rs.ratio) == ["reference ring", "all_reduce, keep a chunk"]
     from distlab.viz.ring import plot_bench
@@ -323,6 +364,6 @@ def test_bench_cli(tmp_path, capsys):
     assert ring_bench.main(["-b", "16K", "-e", "64K", "--rounds", "1", "--pieces", "8K",
                             "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "16 KiB" in out and "64 KiB" in out and "reference ring, 8 KiB pieces" in out
+    assert "16 KiB" in out and "64 KiB" in out and "ring, 8 KiB" in out
     assert (tmp_path / "ring_bench.png").stat().st_size > 0
     assert '"reference ring, 8 KiB pieces"' in (tmp_path / "ring_bench.json").read_text()

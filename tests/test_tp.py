@@ -21,6 +21,7 @@ from distlab.comm import CommLog, bus_factor
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
+from distlab.viz.tp import plot_bench
 from exercises import tp_cases
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
@@ -82,19 +83,23 @@ def train(opts=None, parallel=True, device="cpu"):
 
 
 def with_torch_tp():
-    """Ours and torch's (DTensor ColwiseParallel/RowwiseParallel) on the same batch."""
+    """Ours and torch's (DTensor ColwiseParallel/RowwiseParallel) on the same batch, then
+    one AdamW step with foreach (CUDA's default; it refuses DTensors mixed with tensors)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
     for name in ("distlab", "torch"):
         model = make_model()
         if name == "distlab":
-            tp.tensor_parallel(model)
+            params = tp.tensor_parallel(model).parameters()
         else:
             tp.parallelize_with_torch(model, init_device_mesh("cpu", (dist.get_world_size(),)))
+            params = tp.dtensor_param_groups(model)
         loss = loss_of(model, 0, {})
         loss.backward()
         out[name] = {"loss": loss.detach().reshape(1), "grads": tp.full_grads(model)}
+        torch.optim.AdamW(params, lr=0.01, foreach=True).step()
+        out[name]["weights"] = tp.full_state_dict(model)
     return out
 
 
@@ -168,19 +173,22 @@ def alone():
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_trains_like_one_process(size, variant):
-    want = alone()
     for rank, found in enumerate(run(size)):
-        got = found[variant]
-        what = f"{variant} on rank {rank} of {size}"
-        expect_close(got["losses"], want["losses"], f"{what}: losses", **TOL)
-        for name, value in want["weights"].items():
-            expect_close(got["weights"][name], value, f"{what}: final {name}", **TOL)
-        for name, grad in want["grads"].items():
-            if grad is None:
-                assert got["grads"][name] is None, f"{what}: {name} got a gradient"
-            else:
-                expect_close(got["grads"][name], grad, f"{what}: gradient of {name}", **TOL)
+        check_like_one_process(found[variant], f"{variant} on rank {rank} of {size}", TOL)
+
+
+def check_like_one_process(got, what, tol):
+    """``got`` (what :func:`train` returned in a rank) against one process on the CPU."""
+    want = alone()
     assert want["grads"]["unused"] is None and want["grads"]["blocks.0.mlp.up.bias"] is None
+    expect_close(got["losses"], want["losses"], f"{what}: losses", **tol)
+    for name, value in want["weights"].items():
+        expect_close(got["weights"][name], value, f"{what}: final {name}", **tol)
+    for name, grad in want["grads"].items():
+        if grad is None:
+            assert got["grads"][name] is None, f"{what}: {name} got a gradient"
+        else:
+            expect_close(got["grads"][name], grad, f"{what}: gradient of {name}", **tol)
 
 
 def _ops(records):
@@ -248,6 +256,8 @@ def test_torch_tensor_parallel_gives_the_same(size):
                 assert torch_tp["grads"][name] is None, name
             else:
                 expect_close(torch_tp["grads"][name], grad, f"rank {rank}: gradient of {name}", **TOL)
+        for name, value in ours["weights"].items():
+            expect_close(torch_tp["weights"][name], value, f"rank {rank}: {name} after a step", **TOL)
 
 
 @pytest.mark.parametrize("size", SIZES)
@@ -298,16 +308,32 @@ def test_qkv_rows_give_each_rank_its_heads():
 
 
 def test_bench_command_line_on_gloo(tmp_path, capsys):
-    """The GPU benchmark's code path on two CPU ranks (no link settings there)."""
-    assert tp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "32",
+    """The GPU benchmark's code path on two CPU ranks (no link settings there), torch's
+    TP with the foreach optimizer step as on GPUs."""
+    code = tp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "32",
                           "--batch-size", "2", "--seq-len", "8", "--dtype", "fp32", "--backend",
-                          "gloo", "--world-size", "2", "--variants", "distlab TP,distlab DP",
-                          "--steps", "1", "--rounds", "1"]) == 0
+                          "gloo", "--world-size", "2", "--variants", "distlab TP,torch TP,distlab DP",
+                          "--steps", "1", "--rounds", "1"])
+    printed = capsys.readouterr().out
     found = json.loads((tmp_path / "tp_bench.json").read_text())["links"]
-    assert list(found) == ["gloo"] and list(found["gloo"]) == ["distlab TP", "distlab DP"]
+    assert code == 0 and not tp_bench.failures(found), printed
+    assert list(found) == ["gloo"] and list(found["gloo"]) == ["distlab TP", "torch TP", "distlab DP"]
     assert found["gloo"]["distlab TP"]["collectives"] == 2 * 2 * 2  # 2 blocks, 2 + 2 each
     assert (tmp_path / "tp_bench.png").stat().st_size > 0
-    assert "distlab DP" in capsys.readouterr().out
+    assert "distlab DP" in printed
+
+
+def test_bench_keeps_the_figures_of_the_variants_that_ran():
+    cfg = config("test", vocab_size=32, seq_len=8)
+    results = {"gloo": launch.run(tp_bench.measure, 2, cfg, 2, 8, ["distlab DP", "nonsense"], 1, 1,
+                                  warmup=1, dtype="fp32", backend="gloo", timeout=120)[0]}
+    assert results["gloo"]["distlab DP"]["step_s"] > 0
+    assert tp_bench.failures(results) == [
+        "gloo, nonsense: ValueError: unknown variant 'nonsense'; choose from "
+        f"{list(tp_bench.VARIANTS)}"]
+    assert "gloo     nonsense    failed: ValueError" in tp_bench.table(results)
+    legend = plot_bench(results).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["distlab DP"]
 
 
 def rank_gpu():
@@ -317,7 +343,7 @@ def rank_gpu():
 @pytest.mark.multigpu
 def test_trains_like_one_process_on_nccl():
     """Two GPUs, NCCL, float64: every variant against one process on the CPU."""
-    for rank, found in enumerate(launch.run(rank_gpu, 2, backend="nccl", timeout=300)):
+    for rank, found in enumerate(launch.run(rank_gpu, 2, backend="nccl", timeout=120)):
         for variant in VARIANTS:
             check_like_one_process(found[variant], f"{variant} on GPU rank {rank}",
                                    dict(rtol=1e-7, atol=1e-9))
@@ -327,10 +353,12 @@ def test_trains_like_one_process_on_nccl():
 @pytest.mark.multigpu
 def test_bench_on_gpus(tmp_path):
     """The benchmark's NCCL path, small: every variant, the profiler's NCCL share."""
-    assert tp_bench.main(["--out", str(tmp_path), "--model", "small", "--vocab-size", "1024",
+    code = tp_bench.main(["--out", str(tmp_path), "--model", "small", "--vocab-size", "1024",
                           "--batch-size", "4", "--seq-len", "128", "--world-size", "2",
-                          "--links", "nvlink", "--steps", "2", "--rounds", "1"]) == 0
-    found = json.loads((tmp_path / "tp_bench.json").read_text())["links"]["nvlink"]
+                          "--links", "nvlink", "--steps", "2", "--rounds", "1"])
+    results = json.loads((tmp_path / "tp_bench.json").read_text())["links"]
+    assert code == 0, "failed: " + "; ".join(tp_bench.failures(results))
+    found = results["nvlink"]
     assert set(found) == set(tp_bench.VARIANTS)
     for name, r in found.items():
         assert r["step_s"] > 0 and 0 < r["nccl_share"] < 1, (name, r)

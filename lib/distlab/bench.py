@@ -8,7 +8,18 @@ Timing follows nccl-tests: warm-up calls, then a run of calls back to back, with
 barrier and no wait between them, timed as a whole (:func:`time_op`); the time per op
 is the run's over its length. Waiting for each call instead adds the cost of issuing
 it and of synchronising to every op, which for small messages is most of it
-(:func:`time_each`, the "1 call" column).
+(:func:`time_each`, the "1 call" column). ``--repeats R`` makes R such runs per size
+and reports their median, and the fastest beside it: one run can be hit by a hiccup
+of the machine, the median of several rarely is.
+
+Where the GPU is faster than the host, back to back is not enough. Each call through
+torch's Python API costs the host its own time (argument checks, the dispatch to the
+process group, the work object: about 40 us per call on the H200 machine), which
+nccl-tests' C loop does not pay; a collective that takes the GPU less than that runs
+at the host's pace, and the time per op is the host's. That is what a Python program
+really pays per call, and worth knowing (lab 01). ``--graph`` captures the run in a
+CUDA graph and replays it: no host work per call, the GPU's time alone, which is what
+nccl-tests measures.
 
 Definitions follow nccl-tests (doc/PERFORMANCE.md): ``size`` is the message in bytes
 (the whole buffer of all_reduce/broadcast/reduce, the *output* of all_gather, the
@@ -36,13 +47,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest(value: float, group) -> float:
-    """The largest ``value`` over the ranks of ``group`` (itself outside any group)."""
+def _slowest(values: list[float], group) -> list[float]:
+    """Each of ``values``, the largest over the ranks of ``group`` (itself outside any
+    group), in one collective."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=backend.device())
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=backend.device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
+    return t.tolist()
 
 
 def time_op(fn, warmup: int = 5, iters: int = 20, group=None, graph: bool = False) -> float:
@@ -57,41 +69,51 @@ def time_op(fn, warmup: int = 5, iters: int = 20, group=None, graph: bool = Fals
     returns the same number. ``graph=True`` (CUDA only) captures the ``iters`` calls in
     a CUDA graph and times one replay: no host cost per call at all.
     """
-    if warmup < 0 or iters < 1:
-        raise ValueError(f"need warmup >= 0 and iters >= 1, got {warmup} and {iters}")
+    return time_runs(fn, warmup, iters, group, graph)[0]
+
+
+def time_runs(fn, warmup: int = 5, iters: int = 20, group=None, graph: bool = False,
+              repeats: int = 1) -> list[float]:
+    """Seconds per call in each of ``repeats`` runs of :func:`time_op` (each its own
+    warm-up, barrier and run back to back; with ``graph``, one capture whose replay
+    is warmed up and timed in each run), every rank returning the same list."""
+    if warmup < 0 or iters < 1 or repeats < 1:
+        raise ValueError(f"need warmup >= 0, iters >= 1 and repeats >= 1, got {warmup}, "
+                         f"{iters} and {repeats}")
     device = backend.device()
     if graph and device.type != "cuda":
         raise ValueError("graph=True captures a CUDA graph: it needs a GPU")
-    for _ in range(warmup):
-        fn()
-    run = fn
+    run, iters_in_run = fn, iters
     if graph:
+        for _ in range(warmup):
+            fn()
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
             for _ in range(iters):
                 fn()
-        captured.replay()
-        run, iters_in_run = captured.replay, 1
-    else:
-        iters_in_run = iters
-    _sync(device)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier(group=group)
+        run, iters_in_run, warmup = captured.replay, 1, 1
+    seconds = []
+    for _ in range(repeats):
+        for _ in range(warmup):
+            run()
         _sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters_in_run):
-            run()
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3
-    else:
-        begin = time.perf_counter()
-        for _ in range(iters_in_run):
-            run()
-        seconds = time.perf_counter() - begin
-    return _slowest(seconds / iters, group)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=group)
+            _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters_in_run):
+                run()
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3 / iters)
+        else:
+            begin = time.perf_counter()
+            for _ in range(iters_in_run):
+                run()
+            seconds.append((time.perf_counter() - begin) / iters)
+    return _slowest(seconds, group)
 
 
 def time_each(fn, iters: int = 10, group=None) -> float:
@@ -129,10 +151,11 @@ class Row:
     size: int          # bytes, as nccl-tests counts them (see the module docstring)
     count: int         # elements of that message
     dtype: str
-    seconds: float     # per op, back to back (time_op), slowest rank
+    seconds: float     # per op, back to back (time_op), slowest rank; median of the runs
     algbw: float
     busbw: float
-    each: float | None = None  # one call waited for (time_each), if measured
+    each: float | None = None     # one call waited for (time_each), if measured
+    fastest: float | None = None  # the fastest of the runs, if more than one
 
 
 def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
@@ -213,11 +236,12 @@ def _sendrecv(send: torch.Tensor, recv: torch.Tensor, group):
 
 
 def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmup: int = 5,
-          iters: int = 20, group=None, each: int = 0, graph: bool = False) -> list[Row]:
-    """Time every op at every size on the ranks of ``group`` (:func:`time_op`, and with
-    ``each`` > 0 also :func:`time_each` over that many calls); call it on each of them
-    (inside a launched function). Every rank returns the same rows. sendrecv is left
-    out on a single rank (it has no peer)."""
+          iters: int = 20, group=None, each: int = 0, graph: bool = False,
+          repeats: int = 1) -> list[Row]:
+    """Time every op at every size on the ranks of ``group`` (the median of ``repeats``
+    runs of :func:`time_op`, and with ``each`` > 0 also :func:`time_each` over that many
+    calls); call it on each of them (inside a launched function). Every rank returns
+    the same rows. sendrecv is left out on a single rank (it has no peer)."""
     message_sizes = message_sizes or sizes(4 << 10, 16 << 20)
     n = dist.get_world_size(group)
     ops = [op for op in ops if not (op == "sendrecv" and n < 2)]
@@ -228,29 +252,35 @@ def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmu
     rows = []
     for op, size in launch.progress(cases, desc=f"bench on {n} rank(s)"):
         call, count = _op(op, size, dtype, group)
-        seconds = time_op(call, warmup, iters, group, graph)
+        runs = time_runs(call, warmup, iters, group, graph, repeats)
+        seconds = statistics.median(runs)
         nbytes = count * torch.empty((), dtype=dtype).element_size()
         algbw = nbytes / seconds
         rows.append(Row(op, nbytes, count, str(dtype).removeprefix("torch."), seconds,
                         algbw, algbw * comm.bus_factor(op, n),
-                        time_each(call, each, group) if each else None))
+                        time_each(call, each, group) if each else None,
+                        min(runs) if repeats > 1 else None))
         del call  # free this size's buffers before the next
     return rows
 
 
 def table(rows: list[Row]) -> str:
     """nccl-tests' columns (time per op in us, bandwidths in GB/s = 1e9 B/s), one block
-    per op, each followed by its alpha-beta fit; with :func:`time_each` measured, also
-    the time of one call waited for ("1 call(us)")."""
+    per op, each followed by its alpha-beta fit; with several runs per size, the
+    fastest run's time ("min(us)"); with :func:`time_each` measured, the time of one
+    call waited for ("1 call(us)")."""
     fitted = fits(rows)
     each = any(r.each is not None for r in rows)
+    fastest = any(r.fastest is not None for r in rows)
     header = (f"{'size':>12} {'count':>12} {'type':>8} {'time(us)':>11} {'algbw(GB/s)':>12} "
-              f"{'busbw(GB/s)':>12}" + (f" {'1 call(us)':>11}" if each else ""))
+              f"{'busbw(GB/s)':>12}" + (f" {'min(us)':>11}" if fastest else "")
+              + (f" {'1 call(us)':>11}" if each else ""))
     lines = []
     for op in dict.fromkeys(r.op for r in rows):
         lines += [f"# {op}", "#" + header[1:]]
         lines += [f"{r.size:>12} {r.count:>12} {r.dtype:>8} {r.seconds * 1e6:>11.1f} "
                   f"{r.algbw / 1e9:>12.3f} {r.busbw / 1e9:>12.3f}"
+                  + (f" {r.fastest * 1e6:>11.1f}" if r.fastest is not None else "")
                   + (f" {r.each * 1e6:>11.1f}" if r.each is not None else "")
                   for r in rows if r.op == op]
         if op in fitted and fitted[op].bandwidth == float("inf"):
@@ -267,10 +297,11 @@ def table(rows: list[Row]) -> str:
 
 def run(ops=OPS, message_sizes=None, world_size: int = 4, backend: str = "auto",
         dtype: torch.dtype = torch.float32, warmup: int = 5, iters: int = 20,
-        timeout: float = 600.0, each: int = 0, graph: bool = False) -> list[Row]:
+        timeout: float = 600.0, each: int = 0, graph: bool = False,
+        repeats: int = 1) -> list[Row]:
     """Launch ``world_size`` ranks and sweep; the rows (from rank 0)."""
     return launch.run(sweep, world_size, tuple(ops), message_sizes, dtype, warmup, iters,
-                      None, each, graph, backend=backend, timeout=timeout)[0]
+                      None, each, graph, repeats, backend=backend, timeout=timeout)[0]
 
 
 # ------------------------------------------------------------ nccl-tests, side by side
@@ -315,8 +346,9 @@ def read_nccl_tests(text: str) -> list[NcclTestsRow]:
 
 def compare(rows: list[Row], reference: dict[str, list[NcclTestsRow]]) -> list[dict]:
     """Per op and size measured by both: our time per op, nccl-tests', and their ratio
-    (ours / nccl-tests', so 1.15 means 15 % slower). Sizes match exactly or to the
-    nearest within 10 % (nccl-tests rounds some sizes to what splits evenly)."""
+    (ours / nccl-tests', so 1.15 means 15 % slower; with several runs, also that of our
+    fastest run, "best_ratio"). Sizes match exactly or to the nearest within 10 %
+    (nccl-tests rounds some sizes to what splits evenly)."""
     out = []
     for r in rows:
         theirs = reference.get(r.op, [])
@@ -325,20 +357,25 @@ def compare(rows: list[Row], reference: dict[str, list[NcclTestsRow]]) -> list[d
             continue
         seconds = near.seconds(r.op)
         out.append({"op": r.op, "size": r.size, "seconds": r.seconds,
-                    "nccl_tests_seconds": seconds, "ratio": r.seconds / seconds})
+                    "nccl_tests_seconds": seconds, "ratio": r.seconds / seconds,
+                    "best_ratio": None if r.fastest is None else r.fastest / seconds})
     return out
 
 
 def comparison_table(compared: list[dict]) -> str:
-    """Time per op side by side, one block per op, and each op's worst ratio."""
+    """Time per op side by side, one block per op, and each op's worst ratio (with
+    several runs, the ratio of our fastest run too, "best")."""
     lines = []
+    best = any(c.get("best_ratio") is not None for c in compared)
     for op in dict.fromkeys(c["op"] for c in compared):
         mine = [c for c in compared if c["op"] == op]
         variant = "in place" if op in IN_PLACE else "out of place"
         lines += [f"# {op} (nccl-tests {variant})",
-                  f"#{'size':>11} {'distlab(us)':>12} {'nccl-tests(us)':>15} {'ratio':>7}"]
+                  f"#{'size':>11} {'distlab(us)':>12} {'nccl-tests(us)':>15} {'ratio':>7}"
+                  + (f" {'best':>7}" if best else "")]
         lines += [f"{c['size']:>12} {c['seconds'] * 1e6:>12.1f} "
-                  f"{c['nccl_tests_seconds'] * 1e6:>15.1f} {c['ratio']:>7.2f}" for c in mine]
+                  f"{c['nccl_tests_seconds'] * 1e6:>15.1f} {c['ratio']:>7.2f}"
+                  + (f" {c['best_ratio']:>7.2f}" if best else "") for c in mine]
         worst = max(mine, key=lambda c: c["ratio"])
         lines += [f"# worst: {worst['ratio']:.2f}x at {comm.human_bytes(worst['size'])}", ""]
     return "\n".join(lines).rstrip()
@@ -365,6 +402,8 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", help="torch dtype name")
     parser.add_argument("-w", "--warmup", default=5, type=int)
     parser.add_argument("-i", "--iters", default=20, type=int, help="calls back to back")
+    parser.add_argument("-r", "--repeats", default=1, type=int,
+                        help="timed runs per size: their median, and the fastest beside it")
     parser.add_argument("--each", default=10, type=int,
                         help="also time this many single calls, each waited for (0: no)")
     parser.add_argument("--graph", action="store_true",
@@ -388,12 +427,15 @@ def main(argv=None) -> None:
     print(f"# {explained}; torch {torch.__version__}")
     print(f"# warm-up {args.warmup}, then {args.iters} calls back to back"
           f"{' in a CUDA graph' if args.graph else ''}: time per op, slowest rank"
+          + (f"; median of {args.repeats} such runs, min: the fastest" if args.repeats > 1
+             else "")
           + (f"; 1 call: median of {args.each} calls each waited for" if args.each else ""))
     if args.world_size == 1:
         print("# one rank: nothing crosses a link; the bandwidths say nothing about the "
               "hardware")
     rows = run(ops, sizes(args.min_bytes, args.max_bytes, args.factor), args.world_size,
-               args.backend, dtype, args.warmup, args.iters, each=args.each, graph=args.graph)
+               args.backend, dtype, args.warmup, args.iters, each=args.each, graph=args.graph,
+               repeats=args.repeats)
     print(table(rows))
     compared = None
     if args.nccl_tests:
@@ -409,6 +451,7 @@ def main(argv=None) -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"setup": explained, "torch": torch.__version__, "graph": args.graph,
+                       "repeats": args.repeats,
                        "rows": [dataclasses.asdict(r) for r in rows],
                        "vs_nccl_tests": compared}, f, indent=1)
         bandwidth.plot_busbw(rows, title=explained).savefig(

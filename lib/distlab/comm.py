@@ -12,6 +12,7 @@ reduce; the *output* of an all-gather; the *input* of a reduce-scatter.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -407,6 +408,19 @@ def untraced(fn):
     """``fn`` without the tracer: what a benchmark times (the backend, not the
     bookkeeping of every call, which costs tens of microseconds)."""
     return getattr(fn, "__distlab_traced__", fn)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Calls made inside, on this thread, run untraced: no log records them and the
+    status board is left alone. A benchmark times every contender inside it, so that
+    code built from many traced calls (a ring in Python) pays no more bookkeeping per
+    call than the backend's one call wrapped in :func:`untraced`."""
+    _state.depth += 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 def single_tensor_op(kind: str):

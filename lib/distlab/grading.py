@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import sys
-import subprocess
 import tempfile
 import threading
 import time

@@ -25,14 +25,27 @@ replays every rank's log under NCCL's rules, as torch's ProcessGroupNCCL applies
 * **The host never waits** on NCCL (``wait()`` only orders streams), so every call is
   issued in the order of the log, except after a ``barrier``, which blocks the host
   until it is done.
+* **Connections.** NCCL connects two ranks lazily, in the first group in which they
+  exchange: each side sets up the directions its group uses with the other (a send to
+  it, a receive from it; as many channels whatever the message size), and the two sides
+  swap their setup records over NCCL's bootstrap sockets (``ncclTransportP2pSetup``).
+  So each rank's first group with the other must use the same directions: a sends to b
+  in its group exactly when b receives from a in its own, and the other way round. (A
+  direction first used later is then set up later on both sides alike.) Otherwise the
+  setup fails: between two ranks (or two ranks half the group apart) the two records
+  differ in size and NCCL stops with "Message truncated : received N bytes instead of
+  M"; elsewhere a side waits in the setup for a record the other never sends. The logs
+  are taken to begin before the pair's first exchange on that process group, as in a
+  fresh program (code whose first groups agree is safe whatever was connected before).
 
 What the log cannot show is not modelled: a host synchronisation of the student's own
 (``.item()``, ``.cpu()``, ``torch.cuda.synchronize()``) between two calls.
 
 Besides hangs, it reports matched sends and receives whose sizes differ (NCCL needs the
-same count and dtype on both sides) and receives without a source (NCCL has no
-receive from any source). ``nccl_deadlock(logs)`` returns None when none of this
-happens, else an account in plain words.
+same count and dtype on both sides), receives without a source (NCCL has no receive
+from any source) and first exchanges that would fail NCCL's connection setup.
+``nccl_deadlock(logs)`` returns None when none of this happens, else an account in
+plain words.
 """
 from __future__ import annotations
 
@@ -47,6 +60,14 @@ RULE = ("NCCL runs a rank's calls on one process group in order, on one stream, 
         "each send must be matched by a receive that the peer posts in the same batch or an "
         "earlier one (and the other way round). gloo does not enforce this: the code ran on "
         "CPU, and would hang on GPUs.")
+CONNECT_RULE = (
+    "NCCL connects two ranks lazily, in the first group in which they exchange, and both "
+    "must then ask for the same connections: a send from one to the other in one rank's "
+    "first group needs the matching receive in the other's first group, and nothing more. "
+    "Otherwise the setup fails: between two ranks with \"Message truncated : received N "
+    "bytes instead of M\" (NCCL's bootstrap); with more ranks it can hang. gloo has no such "
+    "setup. Fix: begin each pair's exchanges with the same group on both sides, in which "
+    "both send to and receive from each other (one element is enough).")
 
 
 @dataclasses.dataclass(eq=False)
@@ -113,6 +134,10 @@ def nccl_deadlock(logs) -> str | None:
     """
     ops = _ops(logs)
     problems = _unsourced(ops) + _match(ops)
+    mismatched = _connections(ops)
+    if mismatched:
+        problems.append("On NCCL the first connection between two ranks would fail:\n" +
+                        "\n".join(f"- {line}" for line in mismatched) + "\n" + CONNECT_RULE)
     stuck = _simulate(ops)
     if stuck:
         problems.append("On NCCL this would hang:\n" + "\n".join(
@@ -190,6 +215,37 @@ def _match(ops) -> list[str]:
             if all(len(o) > n for o in others):
                 op.partners = [o[n] for o in others]
     return sorted(mismatched)[:3]
+
+
+def _connections(ops) -> list[str]:
+    """In words, each pair of ranks whose first groups with each other use different
+    directions (a direction is a (source, destination) pair of ranks)."""
+    first = {}  # (stream, rank, peer) -> (its first group with peer, directions used)
+    for mine in ops.values():
+        for op in mine:
+            e = op.event
+            if op.kind == "collective" or e.peer is None or e.peer == op.rank:
+                continue
+            group, used = first.setdefault((op.stream, op.rank, e.peer), (op.group, set()))
+            if op.group is group:
+                used.add((op.rank, e.peer) if op.kind == "send" else (e.peer, op.rank))
+    out = []
+    for (stream, a, b), (ga, used_a) in sorted(first.items(), key=lambda kv: kv[0]):
+        gb, used_b = first.get((stream, b, a), (None, set()))
+        if a < b and gb is not None and used_a != used_b:
+            out.append(f"rank {a}'s first exchange with rank {b} is {ga.describe()}, which "
+                       f"{_uses(used_a, a)}; rank {b}'s first exchange with rank {a} is "
+                       f"{gb.describe()}, which {_uses(used_b, b)}.")
+    return out[:3]
+
+
+def _uses(used: set[tuple[int, int]], rank: int) -> str:
+    """What a group of ``rank``'s does with its peer, from the directions it uses."""
+    (src, dst), *more = sorted(used)
+    peer = dst if src == rank else src
+    if more:
+        return f"sends to and receives from rank {peer}"
+    return f"only sends to rank {peer}" if src == rank else f"only receives from rank {peer}"
 
 
 def _simulate(ops) -> list[_Group]:

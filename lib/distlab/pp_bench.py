@@ -6,7 +6,9 @@ of each stage under GPipe and 1F1B, for a range of micro-batch counts.
 It launches one rank per stage (``--stages``, NCCL when every rank can have a GPU),
 cuts the GPT (``--model gpt-100m`` by default) into balanced stages
 (:class:`distlab.pp.Stage`), and for each schedule and each m trains a few steps
-(AdamW, ``--dtype`` autocast) on a fixed global batch. Per configuration it reports
+(AdamW, ``--dtype`` autocast) on a fixed global batch; the first of the ``--warmup``
+steps also connects the neighbouring stages (:meth:`distlab.pp.p2p.StageLink.connect`,
+NCCL's lazy connection setup), out of the measurement. Per configuration it reports
 the median step time, the measured idle fraction of the last step (CUDA events on a
 GPU), the formula, each stage's peak of live micro-batches and, on GPUs, each
 stage's peak memory (``torch.cuda.max_memory_allocated``). It writes ``pp_bench.json``
@@ -46,7 +48,8 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
     configs = [(name, m) for name in schedules for m in microbatches]
     for name, m in launch.progress(configs, desc=f"{world} stages"):
         torch.manual_seed(0)
-        stage = pp.Stage(GPT(cfg).to(device), rank, world)
+        with torch.device(device):  # initialised in place: faster on a GPU than on the host
+            stage = pp.Stage(GPT(cfg), rank, world)
         runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m))
         opt = torch.optim.AdamW(stage.parameters(), lr=1e-4, fused=cuda)
         times = []
@@ -170,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="auto", choices=backend.BACKENDS)
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds before the launch is reported as hung, with each rank's stack")
     p.add_argument("--replot", action="store_true",
                    help="measure nothing: print the table and draw the figures of the "
                         "pp_bench.json already in --out")
@@ -190,7 +195,7 @@ def main(argv=None) -> int:
     print(backend.explain(args.stages, args.backend))
     per_rank = launch.run(measure, args.stages, cfg, args.batch_size, seq_len, args.dtype, ms,
                           args.schedules.split(","), args.steps, args.warmup,
-                          backend=args.backend, timeout=600)
+                          backend=args.backend, timeout=args.timeout)
     rows = summarise(per_rank, args.batch_size, seq_len)
     title = (f"{args.model}, {args.stages} stages, {args.batch_size}x{seq_len} tokens, "
              f"{args.dtype}, {backend.choose(args.stages, args.backend)}")

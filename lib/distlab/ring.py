@@ -17,13 +17,14 @@ Each rank sends 2(K-1) chunks, 2(K-1)/K of the buffer, whatever K is: the cost i
 add what they receive can send less (Patarasuk & Yuan); reduction inside the switch
 (NVLink SHARP, "NVLS"; InfiniBand SHARP) can, since the switch does the adding.
 
-This reference is written to be fast, not only right: every chunk is cut into pieces
-(at most the backend's :data:`PIECE_BYTES_BY_BACKEND`) that are pipelined (a piece is
-added in :data:`LOOKAHEAD` exchanges after it was received, while the next ones are on
-the wire), receives land straight in their final place when no addition is needed,
-the all-reduce works in place, nothing is copied twice, and every rank issues the
-same sequence of grouped exchanges, which NCCL needs (see :class:`_Ring`).
-``python -m distlab.ring_bench`` measures it against the backend's own all-reduce.
+This reference is written to be fast, not only right: a chunk that is large for the
+backend is cut into pieces (:func:`piece_count`) that are pipelined (a piece is added
+in :data:`LOOKAHEAD` exchanges after it was received, while the next ones are on the
+wire), pieces start on :data:`ALIGN_BYTES` boundaries, receives land straight in their
+final place when no addition is needed, the all-reduce works in place, nothing is
+copied twice, and every rank issues the same sequence of grouped exchanges, which NCCL
+needs (see :class:`_Ring`). ``python -m distlab.ring_bench`` measures it against the
+backend's own all-reduce.
 
 :func:`record` runs the ring on K ranks and keeps every step's state, for the stepper
 in :mod:`distlab.viz.ring`.
@@ -39,13 +40,43 @@ import torch.distributed as dist
 
 from distlab.comm import CommLog
 
-# The largest piece of a chunk, per backend. Each exchange of a piece costs a fixed
-# time: NCCL's ~10 us per group on the GPU, and on the host the Python that issues it
-# (tens of us), which must stay below the piece's transfer time or the GPU starves;
-# 64 MiB cross NVLink in ~190 us. gloo's per-message cost is ~1 ms of CPU.
-PIECE_BYTES_BY_BACKEND = {"nccl": 64 << 20, "gloo": 4 << 20}
-PIECE_BYTES: int | None = None  # overrides the backend's piece size (tests, experiments)
+# (smallest, largest) worthwhile piece of a chunk, per backend: see piece_count.
+PIECE_BYTES_BY_BACKEND = {"nccl": (512 << 20, 512 << 20), "gloo": (2 << 20, 4 << 20)}
+PIECE_BYTES: int | None = None  # pieces of at most this, whatever the backend (tests, experiments)
 LOOKAHEAD = 2                   # exchanges issued before a received piece is added in
+# Pieces start a multiple of this many bytes into their chunk. Copy and add kernels (NCCL's
+# and torch's) load 16 bytes at a time only from aligned addresses: on two H200s, in two
+# runs, every ring whose chunks were cut in thirds (pieces at 4-byte offsets, landing in an
+# aligned scratch buffer) ran at half the speed of its neighbours with aligned pieces.
+ALIGN_BYTES = 256
+
+
+def piece_count(chunk_bytes: int, backend: str) -> int:
+    """Pieces per chunk of ``chunk_bytes`` on ``backend``: LOOKAHEAD + 1, so that one
+    piece is added while the next ones cross, but no fewer than keeps each piece at most
+    the largest of :data:`PIECE_BYTES_BY_BACKEND` and no more than keeps each at least
+    the smallest (with :data:`PIECE_BYTES` set, simply the fewest of at most that).
+
+    A pipeline can only hide the additions, which read two bytes and write one per
+    byte received, while every piece is a message of its own, with a fixed cost and,
+    below some size, less bandwidth. Which wins depends on the backend:
+
+    * NCCL over NVLink (two H200s, NCCL 2.28.9; torch's batched send/recv, as
+      nccl-tests' sendrecv): 64 MiB cross at 259 GB/s, 128 MiB at 287, 256 MiB at 303,
+      512 MiB at 352, 1 GiB at 360. An addition at ~3.5 TB/s of HBM costs 3·352/3500
+      = 30 % of a reduce-scatter step's transfer, 13 % of the whole all-reduce, and
+      halving a 512 MiB piece loses 14 % on the wire. So a chunk goes whole up to
+      512 MiB (to 1 GiB buffers on two GPUs): 2(K-1) transfers and K-1 additions,
+      0.80-0.95x of NCCL's all_reduce by this model; beyond, pieces of 512 MiB.
+    * gloo (loopback TCP on a CPU): each message costs about a millisecond of Python
+      and of gloo's threads; pieces of 2-4 MiB came closest to gloo's all_reduce at
+      16-64 MiB on a 2-core machine (lab 03).
+    """
+    if PIECE_BYTES:
+        smallest = largest = PIECE_BYTES
+    else:
+        smallest, largest = PIECE_BYTES_BY_BACKEND.get(backend, PIECE_BYTES_BY_BACKEND["gloo"])
+    return max(1, -(-chunk_bytes // largest), min(LOOKAHEAD + 1, chunk_bytes // smallest))
 
 
 def chunks(tensor: torch.Tensor, world_size: int) -> tuple[torch.Tensor, ...]:
@@ -57,6 +88,21 @@ def chunk_sizes(numel: int, world_size: int) -> list[int]:
     """Element counts of the chunks of ``numel`` elements over ``world_size`` ranks."""
     base, extra = divmod(numel, world_size)
     return [base + (i < extra) for i in range(world_size)]
+
+
+def piece_layout(numel: int, world_size: int, element_size: int, backend: str) -> tuple[int, int]:
+    """(P, w): each chunk of ``numel`` elements over ``world_size`` ranks is cut into P
+    pieces of w elements (its last one shorter, or empty), the same on every rank. P is
+    :func:`piece_count` of the largest chunk; w is a multiple of :data:`ALIGN_BYTES` (of
+    the piece size instead, if :data:`PIECE_BYTES` is smaller)."""
+    biggest = -(-numel // world_size)
+    if biggest == 0:
+        return 1, 0
+    pieces = piece_count(biggest * element_size, backend)
+    align = max(1, min(ALIGN_BYTES, PIECE_BYTES or ALIGN_BYTES) // element_size)
+    width = -(-biggest // pieces)
+    width = -(-width // align) * align
+    return -(-biggest // width), width
 
 
 # ------------------------------------------------------------------------ the API
@@ -168,20 +214,21 @@ class _Ring:
         self.next = ranks[(self.rank + 1) % self.size]   # global ranks, as send/recv want
         self.prev = ranks[(self.rank - 1) % self.size]
         self.lookahead = LOOKAHEAD if lookahead is None else lookahead
-        self.piece_bytes = PIECE_BYTES or PIECE_BYTES_BY_BACKEND.get(
-            dist.get_backend(group), PIECE_BYTES_BY_BACKEND["gloo"])
+        self.backend = dist.get_backend(group)
 
     def chunk(self, step: int, offset: int) -> int:
         """Index of the chunk this rank handles at ``step`` with offset ``offset``."""
         return (self.rank - step - offset) % self.size
 
-    def pieces(self, flat: torch.Tensor) -> int:
-        """Pieces per chunk, the same on every rank: at most ``piece_bytes`` each, and at
-        least ``lookahead + 1`` as long as each keeps half of ``piece_bytes`` (so that
-        transfers and additions overlap where that does not cost more messages' worth)."""
-        biggest = -(-flat.numel() // self.size) * flat.element_size()
-        return max(1, -(-biggest // self.piece_bytes),
-                   min(self.lookahead + 1, 2 * biggest // self.piece_bytes))
+    def layout(self, flat: torch.Tensor) -> tuple[int, int]:
+        """:func:`piece_layout` of ``flat`` on this ring."""
+        return piece_layout(flat.numel(), self.size, flat.element_size(), self.backend)
+
+    @staticmethod
+    def cut(chunk: torch.Tensor, layout: tuple[int, int]) -> list[torch.Tensor]:
+        """The pieces of ``chunk`` (views) under ``layout``."""
+        pieces, width = layout
+        return [chunk[j * width:(j + 1) * width] for j in range(pieces)]
 
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor | None = None):
         """Steps of the reduce-scatter of ``flat``. With ``out`` (this rank's chunk of the
@@ -191,55 +238,57 @@ class _Ring:
             if out is not None:
                 out.copy_(flat)
             return
-        yield from self._run(self._reduce_scatter(flat, out), self.pieces(flat))
+        layout = self.layout(flat)
+        yield from self._run(self._reduce_scatter(flat, out, layout), layout[0])
 
     def all_gather(self, flat: torch.Tensor):
         """Steps of the all-gather, in place: chunk r of ``flat`` is this rank's, the
         others are received straight into their place."""
         if self.size > 1:
-            yield from self._run(self._all_gather(flat), self.pieces(flat))
+            layout = self.layout(flat)
+            yield from self._run(self._all_gather(flat, layout), layout[0])
 
     def allreduce(self, flat: torch.Tensor):
         """Both phases as one stream of exchanges (no pause between them)."""
         if self.size > 1:
-            yield from self._run(self._reduce_scatter(flat, None) + self._all_gather(flat),
-                                 self.pieces(flat))
+            layout = self.layout(flat)
+            yield from self._run(self._reduce_scatter(flat, None, layout)
+                                 + self._all_gather(flat, layout), layout[0])
 
-    def _reduce_scatter(self, flat, out) -> list:
+    def _reduce_scatter(self, flat, out, layout) -> list:
         """The exchanges of the reduce-scatter: (send, receive into, then, step label)."""
-        K, P = self.size, self.pieces(flat)
+        K, (P, width) = self.size, layout
         mine = chunks(flat, K)
-        if out is None:  # in place: receive into scratch, add into the buffer
+        if out is None:  # in place: receive into scratch slots, add into the buffer
             slots = min(self.lookahead, P - 1) + 1
-            width = torch.tensor_split(mine[0], P)[0].numel()
-            scratch = [torch.empty(width, dtype=flat.dtype, device=flat.device)
-                       for _ in range(slots)]
+            scratch = self.cut(torch.empty(slots * width, dtype=flat.dtype, device=flat.device),
+                               (slots, width))
         else:            # out of place: receive into a work buffer (or out), add ours to it
             work = chunks(torch.empty_like(flat), K)
         exchanges = []
         for s in range(K - 1):
             c_send, c_recv = self.chunk(s, 1), self.chunk(s, 2)
-            own = torch.tensor_split(mine[c_recv], P)
+            own = self.cut(mine[c_recv], layout)
             if out is None:
-                sends = torch.tensor_split(mine[c_send], P)
+                sends = self.cut(mine[c_send], layout)
                 lands = [scratch[(s * P + j) % slots][: p.numel()] for j, p in enumerate(own)]
                 thens = [functools.partial(p.add_, land) for p, land in zip(own, lands)]
             else:
-                sends = torch.tensor_split(mine[c_send] if s == 0 else work[c_send], P)
-                lands = torch.tensor_split(out if s == K - 2 else work[c_recv], P)
+                sends = self.cut(mine[c_send] if s == 0 else work[c_send], layout)
+                lands = self.cut(out if s == K - 2 else work[c_recv], layout)
                 thens = [functools.partial(land.add_, p) for land, p in zip(lands, own)]
             for j in range(P):
                 label = ("reduce-scatter", s + 1) if j == P - 1 else None
                 exchanges.append((sends[j], lands[j], thens[j], label))
         return exchanges
 
-    def _all_gather(self, flat) -> list:
-        K, P = self.size, self.pieces(flat)
+    def _all_gather(self, flat, layout) -> list:
+        K, P = self.size, layout[0]
         mine = chunks(flat, K)
         exchanges = []
         for t in range(K - 1):
-            sends = torch.tensor_split(mine[self.chunk(t, 0)], P)
-            lands = torch.tensor_split(mine[self.chunk(t, 1)], P)
+            sends = self.cut(mine[self.chunk(t, 0)], layout)
+            lands = self.cut(mine[self.chunk(t, 1)], layout)
             for j in range(P):
                 label = ("all-gather", t + 1) if j == P - 1 else None
                 exchanges.append((sends[j], lands[j], None, label))

@@ -3,17 +3,20 @@
     python -m distlab.ring_bench                       # 4 gloo ranks, 64 KiB .. 64 MiB
     python -m distlab.ring_bench --op reduce_scatter   # ring vs the backend's reduce-scatter
     python -m distlab.ring_bench --backend nccl --world-size 2 -b 64M -e 1G -f 2
-    python -m distlab.ring_bench ... --pieces 16M,256M # the reference with other piece sizes
+    python -m distlab.ring_bench ... --pieces 128M,1G  # the reference with other piece sizes
 
 Three contenders per size: the backend's collective, :func:`plain_ring_allreduce` (the
 straightforward ring: a fresh buffer per step, ``+=``, a copy back at the end) and the
-reference :mod:`distlab.ring` (pipelined pieces, receives in place, no needless copies).
-They run interleaved, round after round, so that a machine whose speed drifts (a busy
-laptop, a shared CI box) slows all of them alike; in each round a contender's time per
-call is that of a few calls back to back (:func:`distlab.bench.time_op`), and each
-ratio is the median over rounds of ``time(backend) / time(contender)``, i.e. the
-contender's busbw over the backend's. busbw follows nccl-tests
-(:func:`distlab.comm.bus_factor`).
+reference :mod:`distlab.ring` (receives in place, no needless copies, pieces pipelined
+where the chunks are large for the backend). They run interleaved, round after round,
+so that a machine whose speed drifts (a busy laptop, a shared CI box) slows all of them
+alike; in each round a contender's time per call is that of a few calls back to back
+(:func:`distlab.bench.time_op`), every contender untraced (:func:`distlab.comm.quiet`:
+a ring of many traced calls would otherwise pay bookkeeping that the backend's one call
+does not). Each ratio is ``time(backend) / time(contender)`` in the same round, i.e.
+the contender's busbw over the backend's; the table gives its median over the rounds
+and its range (min-max), which says how much of a difference is noise. busbw follows
+nccl-tests (:func:`distlab.comm.bus_factor`).
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def _backend_reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
         raise ValueError(f"the backend's reduce_scatter_tensor needs a size divisible by "
                          f"{K}, got {x.numel()} elements")
     out = torch.empty(x.numel() // K, dtype=x.dtype, device=x.device)
-    comm.untraced(comm.single_tensor_op("reduce_scatter"))(out, x, group=group)
+    comm.reduce_scatter_into(out, x, group=group)
     return out
 
 
@@ -79,8 +82,7 @@ def _allreduce_then_chunk(x: torch.Tensor, group=None) -> torch.Tensor:
     return torch.tensor_split(x, dist.get_world_size(group))[dist.get_rank(group)]
 
 
-# The backend untraced (comm.untraced): its time is the backend's, with no bookkeeping.
-BACKEND = {"all_reduce": comm.untraced(dist.all_reduce), "reduce_scatter": _backend_reduce_scatter}
+BACKEND = {"all_reduce": dist.all_reduce, "reduce_scatter": _backend_reduce_scatter}
 CONTENDERS = {
     "all_reduce": {"plain ring": plain_ring_allreduce, "reference ring": ring.ring_allreduce},
     "reduce_scatter": {"reference ring": ring.ring_reduce_scatter,
@@ -99,6 +101,9 @@ class Result:
     sizes: list[int]                   # message bytes, as nccl-tests counts them
     seconds: dict[str, list[float]]    # name -> median seconds, per size ("backend" too)
     ratio: dict[str, list[float]]      # name -> median over rounds of t(backend) / t(name)
+    spread: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    # name -> [lowest, highest] of t(backend) / t(name) over the rounds, per size
+    rounds: int = 0
 
     def busbw(self, name: str) -> list[float]:
         """Bytes per second, nccl-tests' bus bandwidth."""
@@ -106,16 +111,21 @@ class Result:
         return [size * f / t for size, t in zip(self.sizes, self.seconds[name])]
 
     def table(self) -> str:
-        """busbw in GB/s of every contender, then each one's busbw over the backend's.
-        Long names wrap over two header lines, so that a row stays under 100 columns."""
+        """busbw in GB/s of every contender, then each one's busbw over the backend's,
+        median and range over the rounds. Long names wrap over header lines."""
         import textwrap
 
         names = list(self.seconds)
         others = [n for n in names if n != "backend"]
+        rows = [[f"{self.busbw(n)[i] / 1e9:.3f}" for n in names]
+                + [f"{self.ratio[n][i]:.2f}x" + (" ({:.2f}-{:.2f})".format(*self.spread[n][i])
+                                                 if n in self.spread else "") for n in others]
+                for i in range(len(self.sizes))]
         heads = [textwrap.wrap(n, 14) or [""] for n in names + others]
         depth = max(len(h) for h in heads)
         heads = [[""] * (depth - len(h)) + h for h in heads]  # names end on the same line
-        widths = [max(8, *(len(line) for line in h)) for h in heads]
+        widths = [max(8, *(len(line) for line in h), *(len(r[c]) for r in rows))
+                  for c, h in enumerate(heads)]
         left = len(names)
 
         def row(first, cells):
@@ -123,26 +133,21 @@ class Result:
                     + "  |  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells[left:], widths[left:])))
 
         lines = [f"{self.op}, {self.world_size} {self.backend} ranks, {self.dtype}: "
-                 f"busbw in GB/s  |  busbw / backend's",
+                 f"busbw in GB/s  |  busbw / backend's, median (min-max) of {self.rounds} rounds",
                  *(row("size" if d == depth - 1 else "", [h[d] for h in heads])
                    for d in range(depth))]
-        for i, size in enumerate(self.sizes):
-            lines.append(row(size_label(size),
-                             [f"{self.busbw(n)[i] / 1e9:.3f}" for n in names]
-                             + [f"{self.ratio[n][i]:.2f}x" for n in others]))
-        lines.append("ratios: " + "; ".join(f"{n} / backend" for n in others)
-                     + " (busbw; median over rounds)")
+        lines += [row(size_label(size), cells) for size, cells in zip(self.sizes, rows)]
         return "\n".join(lines)
 
 
 def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
-            backend: str = "gloo", rounds: int = 7, dtype: str = "float32",
+            backend: str = "gloo", rounds: int | None = None, dtype: str = "float32",
             contenders: dict | None = None, timeout: float = 600,
             iters: int | None = None) -> Result:
     """Time the backend's ``op`` and each contender (name -> ``fn(tensor)``, run on every
-    rank; default: :data:`CONTENDERS`) at each size, interleaved over ``rounds`` rounds,
-    each a run of ``iters`` calls back to back (default: 5 on NCCL, where one call is
-    short, 1 elsewhere).
+    rank; default: :data:`CONTENDERS`) at each size, interleaved over ``rounds`` rounds
+    (default: 15 on NCCL, where a round is short, 7 elsewhere), each a run of ``iters``
+    calls back to back (default: 10 on NCCL, 1 elsewhere), all untraced.
 
     Every contender's answer is first checked against the backend's: a wrong answer
     has no speed. Functions defined in a notebook can be contenders."""
@@ -150,11 +155,12 @@ def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     contenders = CONTENDERS[op] if contenders is None else contenders
     name = backends.choose(world_size, backend)
-    iters = iters or (5 if name == "nccl" else 1)
+    rounds = rounds or (15 if name == "nccl" else 7)
+    iters = iters or (10 if name == "nccl" else 1)
     runs = launch.run(_measure_rank, world_size, op, list(sizes), rounds, dtype, contenders,
                       iters, backend=name, timeout=timeout)
-    measured, seconds, ratio = runs[0]
-    return Result(op, world_size, name, dtype, measured, seconds, ratio)
+    measured, seconds, ratio, spread = runs[0]
+    return Result(op, world_size, name, dtype, measured, seconds, ratio, spread, rounds)
 
 
 def ring_with_pieces(piece_bytes: int, tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -172,6 +178,7 @@ def _measure_rank(op, sizes, rounds, dtype, contenders, iters):
     fns = {"backend": BACKEND[op], **contenders}
     seconds = {n: [] for n in fns}
     ratio = {n: [] for n in fns if n != "backend"}
+    spread = {n: [] for n in ratio}
     measured = []
     for size in launch.progress(sizes, desc=f"{op} sizes"):
         numel = size // dt.itemsize
@@ -183,14 +190,17 @@ def _measure_rank(op, sizes, rounds, dtype, contenders, iters):
         for k in range(rounds + 1):
             order = list(fns)[k % len(fns):] + list(fns)[: k % len(fns)]
             for n in order:
-                t = time_op(lambda: fns[n](x), warmup=0, iters=iters)
+                with comm.quiet():
+                    t = time_op(lambda: fns[n](x), warmup=0, iters=iters)
                 if k:  # round 0 is the warm-up
                     times[n].append(t)
         for n in fns:
             seconds[n].append(statistics.median(times[n]))
         for n in ratio:
-            ratio[n].append(statistics.median(b / t for b, t in zip(times["backend"], times[n])))
-    return measured, seconds, ratio
+            per_round = [b / t for b, t in zip(times["backend"], times[n])]
+            ratio[n].append(statistics.median(per_round))
+            spread[n].append([min(per_round), max(per_round)])
+    return measured, seconds, ratio, spread
 
 
 # Odd lengths from 1 element to 1 GiB of float32 (1 B, 3 B, ... in uint8), for --check.
@@ -221,8 +231,8 @@ def _check_rank(cases):
 
 def _check(op, fns, numel, dt, device):
     """Every contender's answer equals the backend's (integers in floats: exact sums)."""
-    g = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(-8, 8, (numel,), generator=g).to(dt).to(device)
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    x = torch.randint(-8, 8, (numel,), generator=g, device=device).to(dt)
     answers = {}
     for n, fn in fns.items():
         y = x.clone()
@@ -242,12 +252,13 @@ def main(argv=None) -> int:
     p.add_argument("-b", "--min-bytes", type=parse_size, default=DEFAULT_SIZES[0])
     p.add_argument("-e", "--max-bytes", type=parse_size, default=DEFAULT_SIZES[-1])
     p.add_argument("-f", "--factor", type=int, default=4, help="size multiplier per step")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of every contender (default: 15 on NCCL, else 7)")
     p.add_argument("--iters", type=int, default=None,
-                   help="calls back to back per round (default: 5 on NCCL, else 1)")
+                   help="calls back to back per round (default: 10 on NCCL, else 1)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--pieces", default="", help="all_reduce: also the reference ring with "
-                   "these largest pieces, e.g. 16M,256M")
+                   "pieces of at most these sizes, e.g. 128M,1G (1G: whole chunks up to 2 GiB)")
     p.add_argument("--out", default="build/ring_bench", help="folder for the figure and "
                    "ring_bench.json ('' for none)")
     p.add_argument("--check", action="store_true", help="only check the reference ring "

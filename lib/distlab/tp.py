@@ -593,6 +593,24 @@ def parallelize_with_torch(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def dtensor_param_groups(model: nn.Module) -> list[dict]:
+    """The parameters of a model made parallel by :func:`parallelize_with_torch` as two
+    optimizer parameter groups: the DTensors (the split linears), then the plain tensors
+    (embeddings, LayerNorms, head, replicated on every rank).
+
+    A foreach or fused optimizer step, PyTorch's default for CUDA tensors, runs one
+    kernel over a list of tensors and refuses a list that mixes DTensors with plain
+    tensors; one group of each keeps that fast step for both. Torch's own examples
+    instead make every parameter a DTensor, by also splitting the embedding and running
+    the LayerNorms sequence-parallel: a different split from this one."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)],
+              [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": group} for group in groups if group]
+
+
 def allreduce_bytes_per_layer(batch: int, seq: int, hidden: int, tp: int,
                               element_size: int = 2) -> float:
     """Bytes each rank sends (and receives) per transformer layer, forward and backward:

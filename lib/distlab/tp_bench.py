@@ -11,12 +11,15 @@ goes through host shared memory (27 GB/s busbw on two H200s, about a 200 Gb/s NI
 ``socket`` also disables shared memory and uses TCP on the loopback interface (2.9 GB/s,
 about 25 GbE); figures from DESIGN.md. ``NCCL_NVLS_ENABLE=0`` throughout.
 
-On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW) runs as:
+On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW with
+its foreach step) runs as:
 
 * ``distlab TP``: :func:`distlab.tp.tensor_parallel`, every rank on the whole batch (its
   collectives move bf16 forward and backward, as Megatron's do);
 * ``torch TP``: :func:`distlab.tp.parallelize_with_torch` (DTensor ColwiseParallel /
-  RowwiseParallel), the same split;
+  RowwiseParallel), the same split; its DTensor and plain parameters in separate
+  optimizer groups (:func:`distlab.tp.dtensor_param_groups`), so that it keeps the
+  foreach step too;
 * ``torch DDP`` and ``distlab DP``: data parallel, each rank on ``batch/N`` sequences.
 
 Steps are timed in interleaved rounds (a drifting machine slows every variant alike);
@@ -35,6 +38,7 @@ import json
 import statistics
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -47,34 +51,42 @@ VARIANTS = ("distlab TP", "torch TP", "torch DDP", "distlab DP")
 
 
 def _build(variant: str, cfg, device):
-    """(model to call, parameters to optimise, sequences per rank divisor, after-backward)."""
+    """(model to call, parameters or parameter groups to optimise, whether each rank
+    takes its slice of the batch, after-backward)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from distlab import tp
     from distlab.dp import DataParallel
     from distlab.model import GPT
 
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; choose from {list(VARIANTS)}")
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     if variant == "distlab TP":
-        return tp.tensor_parallel(model), model, False, None
+        return tp.tensor_parallel(model), model.parameters(), False, None
     if variant == "torch TP":
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        return tp.parallelize_with_torch(model, mesh), model, False, None
+        tp.parallelize_with_torch(model, mesh)
+        return model, tp.dtensor_param_groups(model), False, None
     if variant == "torch DDP":
         ids = [device.index] if device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids), model, True, None
+        return DistributedDataParallel(model, device_ids=ids), model.parameters(), True, None
     wrapped = DataParallel(model)
-    return wrapped, model, True, wrapped.finish_gradient_synchronization
+    return wrapped, model.parameters(), True, wrapped.finish_gradient_synchronization
 
 
 def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3,
             warmup: int = 3, profile_steps: int = 3, dtype: str = "bf16", workdir=None,
             label: str = "") -> dict:
     """Run in every rank: time each variant; rank 0's figures come back (plain data).
-    Rank 0 keeps its profiler traces in ``workdir`` (when given)."""
+    Rank 0 keeps its profiler traces in ``workdir`` (when given).
+
+    Every variant steps AdamW with ``foreach=True`` (PyTorch's default for CUDA
+    tensors, made explicit so that CPU runs take the same path). A variant that raises
+    (alike on every rank) comes back as ``{"error": message}`` and the others go on."""
     from distlab import backend
     from distlab.comm import CommLog
     from distlab.throughput import DTYPES
@@ -87,13 +99,26 @@ def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3
         device.type, dtype=DTYPES[dtype])
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(cfg.vocab_size, (batch, seq + 1), generator=g).to(device)
-    runs = {}
-    for name in variants:
+    failed = {}
+
+    def attempt(name, fn, *args):
+        """``fn(*args)``, or None once ``name`` has failed (its error kept)."""
+        if name in failed:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - reported in the table; the others go on
+            failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            if dist.get_rank() == 0:
+                traceback.print_exc()  # the launcher shows it, marked [rank 0]
+            return None
+
+    def prepare(name):
         model, params, data_parallel, after = _build(name, cfg, device)
         x = tokens.tensor_split(world)[dist.get_rank()] if data_parallel else tokens
-        opt = torch.optim.AdamW(params.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
-        def step(model=model, x=x, opt=opt, after=after):
+        def step():
             with autocast:
                 logits = model(x[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
@@ -103,31 +128,38 @@ def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        runs[name] = step
-    for step in runs.values():
         for _ in range(warmup):
             step()
+        return step
+
+    runs = {name: attempt(name, prepare, name) for name in variants}
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, step in runs.items():
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            _sync(device)
-            times[name].append((time.perf_counter() - start) / steps)
+            times[name].append(attempt(name, _timed, step, steps, device))
     out = {}
     with tempfile.TemporaryDirectory() as scratch:
         for name, step in runs.items():
-            with CommLog() as log:
-                step()
             keep = workdir is not None and dist.get_rank() == 0
             path = Path(workdir if keep else scratch) / \
                 f"trace_{label}_{name.replace(' ', '_')}.json.gz"
-            out[name] = {"step_s": statistics.median(times[name]), "rounds_s": times[name],
-                         "comm_bytes": log.bus_bytes(), "collectives": log.count(),
-                         "nccl_share": _nccl_share(step, device, profile_steps, path)}
+            with CommLog() as log:
+                attempt(name, step)
+            share = attempt(name, _nccl_share, step, device, profile_steps, path)
+            out[name] = {"error": failed[name]} if name in failed else {
+                "step_s": statistics.median(times[name]), "rounds_s": times[name],
+                "comm_bytes": log.bus_bytes(), "collectives": log.count(), "nccl_share": share}
     return out
+
+
+def _timed(step, steps: int, device) -> float:
+    """Seconds per step over ``steps`` steps."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / steps
 
 
 def _sync(device):
@@ -147,7 +179,7 @@ def _nccl_share(step, device, steps: int, path: Path) -> float | None:
     return kernels.comm_seconds() / kernels.duration
 
 
-def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=300,
+def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=120,
         workdir=None):
     """{link: {variant: figures}}: one launch on fresh ranks per link setting (``links``:
     names of :data:`LINKS`; on gloo they mean nothing and one run is labelled "gloo")."""
@@ -172,6 +204,18 @@ def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, ti
     return results
 
 
+def failures(results: dict) -> list[str]:
+    """What failed: "link: error" for a link whose launch failed, "link, variant: error"
+    for a variant that failed on a link that ran."""
+    found = []
+    for link, rows in results.items():
+        if "error" in rows:
+            found.append(f"{link}: {rows['error']}")
+        else:
+            found += [f"{link}, {name}: {r['error']}" for name, r in rows.items() if "error" in r]
+    return found
+
+
 def table(results: dict) -> str:
     from distlab.comm import human_bytes
 
@@ -183,6 +227,9 @@ def table(results: dict) -> str:
             continue
         ref = rows.get("torch TP", {}).get("step_s")
         for name, r in rows.items():
+            if "error" in r:
+                lines.append(f"{link:<9}{name:<12}failed: {r['error']}")
+                continue
             ratio = f"{r['step_s'] / ref:.2f}x" if ref else "-"
             share = "-" if r["nccl_share"] is None else f"{100 * r['nccl_share']:.0f}%"
             traced = r["collectives"] > 0  # torch's collectives run in C++, unseen by CommLog
@@ -248,7 +295,7 @@ def main(argv=None) -> int:
                f"{args.batch_size}x{seq}, {args.dtype}").savefig(args.out / "tp_bench.png", dpi=120,
                                                                   bbox_inches="tight")
     print(f"# wrote {args.out / 'tp_bench.json'} and {args.out / 'tp_bench.png'}")
-    return 1 if any("error" in rows for rows in results.values()) else 0
+    return 1 if failures(results) else 0
 
 
 if __name__ == "__main__":

@@ -33,7 +33,15 @@ import pytest
 from distlab.sandbox import Student
 
 ROOT = Path(__file__).resolve().parents[2]
-os.environ.setdefault("DISTLAB_SANDBOX", "1")  # ranks answer in plain data, as when graded
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _sandboxed():
+    """Ranks answer in plain data, as when graded (only for these tests: other tests run
+    in the same process keep their own launches)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DISTLAB_SANDBOX", "1")
+        yield
 
 
 def pytest_collection_finish(session):

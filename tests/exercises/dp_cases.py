@@ -37,6 +37,20 @@ def local_loss(model, step, rank, world, device="cpu"):
     return loss * shard_loss_weight(len(x), BATCH, world)
 
 
+def one_process(model, steps: int, lr: float):
+    """SGD on the whole global batch in one process: the run every data-parallel one
+    must reproduce. Returns the losses (a tensor) and the final weights by name."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = local_loss(model, step, 0, 1)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), snapshot(model)
+
+
 def snapshot(model, what="param"):
     """Parameters (or gradients, None where there is none) by name, cloned."""
     if what == "grad":

@@ -22,7 +22,8 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
-from dp_cases import Branchy, branchy_backward, branchy_means, local_loss, make_model, snapshot
+from dp_cases import (Branchy, branchy_backward, branchy_means, local_loss, make_model,
+                      one_process, snapshot)
 
 from distlab import launch
 from distlab.comm import CommLog
@@ -217,22 +218,13 @@ def test_gradients_are_the_mean_over_ranks(student, world):
 def test_training_matches_one_process(student, world):
     """The correctness rule: 3 SGD steps on ``world`` ranks give the weights and losses
     of one process on the whole batch (zero_grad() sets .grad to None between steps)."""
-    model = make_model()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = local_loss(model, step, 0, 1)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    want = snapshot(model)
+    losses, want = one_process(make_model(), STEPS, LR)
     for rank, r in enumerate(run(student, world)):
         for name, value in r["train"]["params"].items():
             expect_close(value, want[name], f"rank {rank} of {world}: weights of {name} after "
                          f"{STEPS} SGD steps, against one process on the whole batch (a stale "
                          f"bucket from the previous step? each step must start afresh)")
-        expect_close(r["train"]["losses"], torch.stack(losses),
+        expect_close(r["train"]["losses"], losses,
                      f"rank {rank} of {world}: the loss of each step")
 
 

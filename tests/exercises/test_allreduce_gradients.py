@@ -15,47 +15,20 @@ import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 
 from distlab import launch
 from distlab.comm import CommLog
-from distlab.data import NGramLanguage
-from distlab.dp import shard_loss_weight
 from distlab.grading import expect_close
-from distlab.model import GPT, config
+from dp_cases import local_loss, make_model, one_process, snapshot
 
 NOTEBOOK = "04_data_parallel"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
-BATCH, SEQ, STEPS, VOCAB, LR = 10, 8, 3, 13, 0.5
-LANG = NGramLanguage(VOCAB, 3, seed=0)
+STEPS, LR = 3, 0.5
 WITHOUT_GRAD = ("ln_f.bias", "unused")
 PAIR = [0, 2]  # the subgroup of the group tests
 NONE_GRAD_HINT = ("the test model has a frozen parameter (ln_f.bias) and one the loss never "
                   "uses (unused); their .grad is None: skip parameters whose .grad is None")
-
-
-def make_model(dtype=torch.float64):
-    torch.manual_seed(0)
-    model = GPT(config("test", vocab_size=VOCAB)).to(dtype)
-    model.ln_f.bias.requires_grad_(False)
-    model.unused = nn.Parameter(torch.randn(5, dtype=dtype))
-    return model
-
-
-def local_loss(model, step, rank, world):
-    """This rank's share of the global batch's mean loss (see dp.shard_loss_weight)."""
-    x, y = LANG.batch(step, BATCH, SEQ, rank, world)
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    return loss * shard_loss_weight(len(x), BATCH, world)
-
-
-def snapshot(model, what="param"):
-    if what == "grad":
-        return {n: None if p.grad is None else p.grad.detach().clone()
-                for n, p in model.named_parameters()}
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def rank_cases(allreduce_gradients):
@@ -70,7 +43,7 @@ def rank_cases(allreduce_gradients):
     out["grads"], out["after"] = snapshot(model, "grad"), snapshot(model)
     out["log"] = log.records()
     # training in float32: SGD steps with the exercise between backward and step
-    model = make_model(torch.float32)
+    model = make_model(dtype=torch.float32)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(STEPS):
@@ -200,16 +173,7 @@ def test_one_all_reduce_of_each_gradient(student, world):
 def test_training_matches_one_process_on_the_global_batch(student, world):
     """The correctness rule, in float32: SGD on ``world`` ranks with allreduce_gradients
     gives the losses and the weights of one process on the whole batch."""
-    model = make_model(torch.float32)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    losses = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = local_loss(model, step, 0, 1)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    want = snapshot(model)
+    losses, want = one_process(make_model(dtype=torch.float32), STEPS, LR)
     out = run(student, world)
     got_losses = sum(r["train"][0] for r in out) / world  # the global batch's mean loss
     for rank, r in enumerate(out):
@@ -218,7 +182,7 @@ def test_training_matches_one_process_on_the_global_batch(student, world):
             expect_close(value, want[name], f"rank {rank} of {world}: weights of {name} after "
                          f"{STEPS} SGD steps, against one process on the whole batch",
                          rtol=1e-5, atol=1e-6)
-        expect_close(got_losses, torch.stack(losses), f"rank {rank} of {world}: the loss of "
+        expect_close(got_losses, losses, f"rank {rank} of {world}: the loss of "
                      f"each step", rtol=1e-5, atol=1e-6)
 
 

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Issue 10 on two NVLink GPUs (nvidia-h200-x2), from the repository root, in ~3-5 minutes:
-#   1. nccl-tests' six *_perf binaries, 8 B .. 1 GiB (if built in /tmp/nt by .ncclt/build.sh);
+# Issue 10 on two NVLink GPUs (nvidia-h200-x2), from the repository root, in ~2-2.5 minutes:
+#   1. nccl-tests' six *_perf binaries, 8 B .. 1 GiB, 50 iterations (if built in /tmp/nt by
+#      .ncclt/build.sh);
 #   2. python -m distlab.bench at 2 NCCL ranks, the same sizes, side by side with (1),
-#      back to back as nccl-tests times, then again in a CUDA graph (no host cost per call);
+#      back to back as nccl-tests times (median of 3 runs per size), then again in a CUDA
+#      graph (no host cost per call; median of 5 runs, the fastest beside it);
 #   2b. the same at one NCCL rank, 4 KiB .. 1 GiB (what lab 01 explains);
-#   3. python -m distlab.ring_bench: the reference ring against NCCL's all_reduce, busbw,
-#      64 MiB .. 1 GiB, with other piece sizes beside the default;
+#   3. python -m distlab.ring_bench: the reference ring (whole chunks on NCCL) against
+#      NCCL's all_reduce, busbw, 64 MiB .. 1 GiB, median and range over 15 rounds, beside
+#      pipelined variants of 64, 128 and 256 MiB pieces and "1 GiB pieces" (the same
+#      algorithm as the default at these sizes: how far two runs of one thing differ);
 #   4. the ring's correctness at world size 2, 1 B .. 1 GiB, odd lengths;
 #   5. the multigpu tests of the ring and the bench.
 # Everything lands in $OUT (default /tmp/issue10): *.txt logs, JSON and PNG figures.
@@ -27,7 +31,7 @@ if [ -x /tmp/nt/all_reduce_perf ]; then
   [ -n "$NH" ] && export LD_LIBRARY_PATH="$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   mkdir -p "$OUT/nccl-tests"
   for op in all_reduce all_gather reduce_scatter broadcast reduce sendrecv; do
-    timeout 120 /tmp/nt/${op}_perf "${SIZES[@]}" -g 2 > "$OUT/nccl-tests/${op}_perf.txt" 2>&1
+    timeout 120 /tmp/nt/${op}_perf "${SIZES[@]}" -g 2 -w 10 -n 50 > "$OUT/nccl-tests/${op}_perf.txt" 2>&1
     echo "$op: exit $?, $(grep 'Avg bus bandwidth' "$OUT/nccl-tests/${op}_perf.txt")"
   done
   REF=(--nccl-tests "$OUT/nccl-tests")
@@ -36,12 +40,12 @@ else
 fi
 
 step "distlab.bench, 2 NCCL ranks, back to back"
-timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" ${REF[@]+"${REF[@]}"} \
+timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" -r 3 ${REF[@]+"${REF[@]}"} \
   --out "$OUT/bench" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench.txt"
 
-if [ "${GRAPH:-1}" = 1 ]; then  # GRAPH=0 skips it (saves about a minute)
+if [ "${GRAPH:-1}" = 1 ]; then  # GRAPH=0 skips it (saves about 25 s)
   step "distlab.bench, 2 NCCL ranks, in a CUDA graph"
-  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" --graph --each 0 \
+  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" --graph --each 0 -r 5 \
     ${REF[@]+"${REF[@]}"} --out "$OUT/bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-graph.txt"
 fi
 
@@ -50,8 +54,8 @@ timeout 120 $PY -m distlab.bench -n 1 --backend nccl -b 4K -e 1G -f 4 --out "$OU
   2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-1.txt"
 
 step "distlab.ring_bench: reference ring vs NCCL all_reduce, 64 MiB .. 1 GiB"
-timeout 240 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
-  --pieces 16M,32M,128M,256M --out "$OUT/ring_bench" 2>&1 | grep -v 'it/s\]' \
+timeout 120 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
+  --pieces 64M,128M,256M,1G --out "$OUT/ring_bench" 2>&1 | grep -v 'it/s\]' \
   | tee "$OUT/ring_bench.txt"
 
 step "ring all-reduce correctness, 2 NCCL ranks, 1 B .. 1 GiB"

@@ -9,6 +9,7 @@
 #      with the share of each step in NCCL kernels from a profiler trace (~1 min);
 #   3. the same through host memory and over TCP sockets, fresh ranks per link (~1-2 min).
 # Everything lands in $OUT (default /tmp/issue16): *.txt logs, JSON, PNG, Chrome traces.
+# Each launch gives up after 120 s with every rank's stack, inside the outer timeouts.
 set -u
 OUT=${OUT:-/tmp/issue16}
 PY=${PY:-python}
@@ -18,14 +19,15 @@ mkdir -p "$OUT"
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 step "multigpu tests of distlab.tp"
-timeout 300 $PY -m pytest -q -m "gpu or multigpu" tests/test_tp.py -p no:cacheprovider \
-  2>&1 | tail -15 | tee "$OUT/pytest.txt"
+# -vv -rfEs --tb=short: every failure and skip in full (the summary lines uncut)
+timeout 270 $PY -m pytest -vv -rfEs --tb=short -m "gpu or multigpu" tests/test_tp.py \
+  -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
 
 step "tp_bench: NVLink"
-timeout 240 $PY -m distlab.tp_bench --world-size 2 --out "$OUT/nvlink" --links nvlink 2>&1 \
+timeout 180 $PY -m distlab.tp_bench --world-size 2 --out "$OUT/nvlink" --links nvlink 2>&1 \
   | tee "$OUT/tp_bench-nvlink.txt"
 
 step "tp_bench: host memory and TCP sockets"
-timeout 300 $PY -m distlab.tp_bench --world-size 2 --out "$OUT/network" --links host,socket 2>&1 \
+timeout 270 $PY -m distlab.tp_bench --world-size 2 --out "$OUT/network" --links host,socket 2>&1 \
   | tee "$OUT/tp_bench-network.txt"
 step "done"

@@ -3,7 +3,8 @@ micro-batches flowing through them on a schedule (GPipe, 1F1B).
 
 * :mod:`~distlab.pp.split`: the cut, balanced by FLOPs; tied weights across stages;
 * :mod:`~distlab.pp.schedule`: schedule tables, their check, the ideal clock, the bubble;
-* :mod:`~distlab.pp.p2p`: activations and gradients between stages, NCCL-safe groups;
+* :mod:`~distlab.pp.p2p`: activations and gradients between stages, NCCL-safe groups,
+  each link connected both ways first;
 * :mod:`~distlab.pp.runtime`: one stage's training step, driven by a table;
 * :mod:`~distlab.pp.timeline`: what each stage did and when (:mod:`distlab.bubble`
   measures the bubble from it).

@@ -16,6 +16,18 @@ behind its own send. As one group on each side, every send meets a receive its p
 has posted in the same group (``distlab.p2p_check.nccl_deadlock`` checks this from the
 CommLogs in the tests).
 
+NCCL also connects two ranks lazily, in the first group in which they exchange, and
+both must then ask for the same connections. Between neighbours the first group usually
+opens one direction on both sides (stage s sends an activation, stage s+1 receives it),
+but not always: GPipe with one micro-batch has stage 0 send its activation and post the
+receive of the gradient in one group while stage 1 only receives, and NCCL fails in its
+connection setup ("Message truncated" from its bootstrap). So :meth:`StageLink.connect`
+first exchanges one element both ways with each neighbour, the same group on both
+sides, which opens both directions of every link (NCCL connects as many channels for a
+one-element message as for a large one). Each StageLink does it once per neighbour (a
+runner's first step), on every backend: gloo does not need it, but then the CommLogs
+show the calls NCCL gets, and ``nccl_deadlock`` checks this rule too.
+
 ``grouped=False`` issues each transfer on its own, sends first, and waits for the
 sends only at the end of the step: the order that works on gloo (its sends are
 asynchronous) and deadlocks under NCCL's rules. It is kept to show what the checker
@@ -39,6 +51,22 @@ class StageLink:
             raise ValueError("this rank is not a member of the pipeline's group")
         self.grouped = grouped
         self._pending: list = []
+        self.connected: set[int] = set()  # peers connected both ways by connect()
+
+    def connect(self, peers, device=None) -> None:
+        """Open both directions to each of ``peers`` (stage indices) not yet connected:
+        one group [send one element, receive one element] per peer, in increasing stage
+        order, so that every pair of ranks meets in the same group whatever else each
+        connects (the lower pair first on both sides: no rank waits in a cycle). Call
+        it on every rank before any other transfer, each rank naming the peers that
+        name it."""
+        for peer in sorted(set(peers) - self.connected - {self.index}):
+            out = torch.zeros(1, device=device)
+            ops = [dist.P2POp(dist.isend, out, self.ranks[peer], self.group),
+                   dist.P2POp(dist.irecv, torch.empty_like(out), self.ranks[peer], self.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            self.connected.add(peer)
 
     def exchange(self, sends: list[tuple[torch.Tensor, int]],
                  recvs: list[tuple[torch.Tensor, int]]) -> None:

@@ -17,9 +17,11 @@
 * ``("B", i)``: backward from micro-batch i's output with the gradient received from
   the stage after (from the loss on the last stage); send the input's gradient back.
 
-The transfers go through :class:`distlab.pp.p2p.StageLink`, grouped as NCCL needs. The
-step ends by summing the gradients of tied parameters between the stages that hold
-them (:attr:`distlab.pp.split.Stage.tied`), and leaves the optimizer step to the caller.
+The transfers go through :class:`distlab.pp.p2p.StageLink`, grouped as NCCL needs; the
+first step begins by connecting each link both ways (:meth:`StageLink.connect
+<distlab.pp.p2p.StageLink.connect>`, NCCL's lazy connection setup). The step ends by
+summing the gradients of tied parameters between the stages that hold them
+(:attr:`distlab.pp.split.Stage.tied`), and leaves the optimizer step to the caller.
 ``runner.timeline`` keeps what the stage did and when (:mod:`distlab.pp.timeline`),
 with the number of micro-batches whose activations it holds after each action.
 """
@@ -111,6 +113,11 @@ class PipelineRunner:
             received[self.actions[k]] = buffer
             return [(buffer, peer)]
 
+        fresh = [n for n in (s.index - 1, s.index + 1)
+                 if 0 <= n < s.num_stages and n not in self.link.connected]
+        if fresh:  # the first step: open both directions of each link (NCCL's setup)
+            with timeline.record("comm", what=", ".join(f"connect to {n}" for n in fresh)):
+                self.link.connect(fresh, self.device)
         self._transfer(timeline, [], incoming(0))
         for k, (kind, i) in enumerate(self.actions):
             with timeline.record(kind, i) as event:
@@ -154,7 +161,9 @@ def sum_tied_gradients(stage: Stage, link: StageLink, timeline: Timeline | None 
     """Each tied parameter's gradient (:attr:`Stage.tied`) becomes the sum over the
     stages holding it, added in stage order on every one of them, so the copies stay
     identical (Megatron-LM's all-reduce in the embedding group, here one grouped
-    exchange between the holders)."""
+    exchange between the holders). Grouped, the exchange is the same on both sides of
+    each pair (send to and receive from every other holder), so it also connects the
+    first and the last stage as NCCL needs when they are not neighbours."""
     for name, holders in sorted(stage.tied.items()):
         param = stage.module.get_parameter(name)
         if not param.requires_grad:

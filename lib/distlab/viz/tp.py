@@ -109,13 +109,19 @@ def plot_layer_times(rows, title: str = ""):
 
 def plot_bench(results: dict, title: str = ""):
     """Time per step of each variant on each link (``results``: link -> variant ->
-    figures with ``step_s``), log scale."""
+    figures with ``step_s``), log scale; links and variants that failed (``error``) are
+    left out."""
     links = [link for link, rows in results.items() if "error" not in rows]
-    variants = list(dict.fromkeys(v for link in links for v in results[link]))
+
+    def measured(link, name):
+        return "step_s" in results[link].get(name, {})
+
+    variants = [v for v in dict.fromkeys(v for link in links for v in results[link])
+                if any(measured(link, v) for link in links)]
     width = 0.8 / max(len(variants), 1)
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(links) + 2), 4))
     for i, name in enumerate(variants):
-        ms = [1e3 * results[link][name]["step_s"] if name in results[link] else np.nan
+        ms = [1e3 * results[link][name]["step_s"] if measured(link, name) else np.nan
               for link in links]
         x = np.arange(len(links)) + (i - (len(variants) - 1) / 2) * width
         bars = ax.bar(x, ms, width, label=name)
@@ -125,6 +131,7 @@ def plot_bench(results: dict, title: str = ""):
     ax.set_ylabel("ms per step")
     ax.set_title(title or "time per step", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=8)
+    if variants:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
