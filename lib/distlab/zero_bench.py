@@ -122,11 +122,24 @@ def _wrap(strategy, model, solo, optimizer=None):
     return net, torch.optim.AdamW(net.parameters(), **kwargs)
 
 
-def _train_step(net, opt, tokens):
-    opt.zero_grad(set_to_none=False)      # gradients held between steps, as the paper counts
+def _backward(net, tokens) -> None:
+    """Forward, backward and the wrapper's gradient synchronisation."""
     _loss(net, tokens).backward()
     if hasattr(net, "finish_gradient_synchronization"):
         net.finish_gradient_synchronization()
+
+
+def _synced_backward(net, tokens) -> float:
+    """Seconds of :func:`_backward`, the device synchronised at its end."""
+    begin = time.perf_counter()
+    _backward(net, tokens)
+    _sync()
+    return time.perf_counter() - begin
+
+
+def _train_step(net, opt, tokens):
+    opt.zero_grad(set_to_none=False)      # gradients held between steps, as the paper counts
+    _backward(net, tokens)
     opt.step()
 
 
@@ -141,19 +154,15 @@ def _measured_step(net, opt, tokens, meter) -> dict:
     _sync()
     out = {"start": meter.allocated()}
     meter.reset_peak()
-    begin = time.perf_counter()
-    _loss(net, tokens).backward()
-    if hasattr(net, "finish_gradient_synchronization"):
-        net.finish_gradient_synchronization()
-    _sync()
-    middle = time.perf_counter()
+    backward_seconds = _synced_backward(net, tokens)
     out.update(end_of_backward=meter.allocated(), backward_peak=meter.peak())
     out["held"] = memory.held_bytes(net, opt).as_dict()
     meter.reset_peak()
+    middle = time.perf_counter()
     opt.step()
     _sync()
     out.update(end_of_step=meter.allocated(), step_peak=meter.peak(),
-               backward_seconds=middle - begin, step_seconds=time.perf_counter() - middle)
+               backward_seconds=backward_seconds, step_seconds=time.perf_counter() - middle)
     return out
 
 
@@ -302,16 +311,11 @@ def _timed_run(build, kwargs, tokens, steps: int, warmup: int, traffic: bool) ->
     for _ in range(3):
         opt.zero_grad(set_to_none=False)
         _sync()
-        begin = time.perf_counter()
-        _loss(net, tokens).backward()
-        if hasattr(net, "finish_gradient_synchronization"):
-            net.finish_gradient_synchronization()
-        _sync()
+        phases["backward"].append(_synced_backward(net, tokens))
         middle = time.perf_counter()
         opt.step()
         issued = time.perf_counter()
         _sync()
-        phases["backward"].append(middle - begin)
         phases["optimizer"].append(time.perf_counter() - middle)
         phases["optimizer host"].append(issued - middle)
     run.update({k: min(v) for k, v in phases.items()})
