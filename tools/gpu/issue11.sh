@@ -28,9 +28,11 @@ step "distlab.zero_bench, 2 NCCL ranks, gpt-100m, 8 x 1024 tokens per rank"
 timeout 300 $PY -m distlab.zero_bench --world-size 2 --backend nccl --batch-size 8 \
   --out "$OUT/zero" 2>&1 | tee "$OUT/zero_bench.txt"
 
-step "distlab.zero_bench memory only, 1 x 128 tokens per rank"
-timeout 180 $PY -m distlab.zero_bench --world-size 2 --backend nccl --batch-size 1 \
-  --seq-len 128 --sections memory --out "$OUT/zero-small" 2>&1 | tee "$OUT/zero_bench_small.txt"
+if [ "${SMALL:-1}" = 1 ]; then  # SMALL=0 skips it
+  step "distlab.zero_bench memory only, 1 x 128 tokens per rank"
+  timeout 180 $PY -m distlab.zero_bench --world-size 2 --backend nccl --batch-size 1 \
+    --seq-len 128 --sections memory --out "$OUT/zero-small" 2>&1 | tee "$OUT/zero_bench_small.txt"
+fi
 
 step "gpu and multigpu tests of distlab.zero"
 timeout 300 $PY -m pytest -q -m "gpu or multigpu" tests/test_zero.py -p no:cacheprovider \
