@@ -3,6 +3,8 @@ block's weights, traffic and compute per rank against the TP size, time per laye
 each kind of link, and the GPU benchmark (:mod:`distlab.tp_bench`)."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -14,6 +16,16 @@ def _owners(n: int, size: int) -> np.ndarray:
     return np.concatenate([np.full(len(p), r) for r, p in enumerate(np.array_split(np.arange(n), size))])
 
 
+def _plain_slice_words(d_model: int, size: int) -> str:
+    """What rank 0 gets of a fused qkv weight (q, k, v stacked, ``d_model`` rows each)
+    from a plain ``tensor_split`` of its rows: "all of q, 1/2 of k" at 2 ranks."""
+    owner = _owners(3 * d_model, size)
+    shares = [(part, Fraction(int(np.sum(owner[k * d_model:(k + 1) * d_model] == 0)), d_model))
+              for k, part in enumerate("qkv")]
+    return ", ".join(f"all of {part}" if share == 1 else f"{share} of {part}"
+                     for part, share in shares if share)
+
+
 def plot_shards(d_model: int, n_head: int, size: int, title: str = ""):
     """Which rank holds each row (output feature) or column (input feature) of one
     block's weights, as PyTorch stores them (``weight`` is out × in)."""
@@ -21,7 +33,8 @@ def plot_shards(d_model: int, n_head: int, size: int, title: str = ""):
     by_heads = np.tile((np.arange(d_model) // hd) // per_rank, 3)   # q, k, v rows of each head
     panels = [
         ("attn.qkv, split by heads\n(column-parallel)", by_heads[:, None], "rows"),
-        ("attn.qkv, a plain slice\n(wrong: rank 0 gets the queries)", _owners(3 * d_model, size)[:, None], "rows"),
+        (f"attn.qkv, a plain slice (wrong:\nrank 0 gets {_plain_slice_words(d_model, size)})",
+         _owners(3 * d_model, size)[:, None], "rows"),
         ("attn.proj (row-parallel)", (np.arange(d_model) // hd // per_rank)[None, :], "cols"),
         ("mlp.up (column-parallel)", _owners(4 * d_model, size)[:, None], "rows"),
         ("mlp.down (row-parallel)", _owners(4 * d_model, size)[None, :], "cols"),
