@@ -139,7 +139,7 @@ def plot_coverage(rows: dict[str, np.ndarray], title: str = ""):
 
 def calculator_table(num_params: float, world_size: int, k: float = 12) -> list[tuple]:
     """(stage, formula, bytes per GPU) of data parallelism and the three stages."""
-    formulas = {0: f"(4+K)Ψ", 1: "4Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(4+K)Ψ/N"}
+    formulas = {0: "(4+K)Ψ", 1: "4Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(4+K)Ψ/N"}
     return [(STAGE_NAMES[s], formulas[s], zero_bytes(num_params, world_size, s, k))
             for s in STAGES]
 
