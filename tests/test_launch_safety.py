@@ -386,15 +386,21 @@ def test_work_directories_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     stale = tmp_path / "distlab-999999-abc"
     stale.mkdir()
     (stale / ".lock").write_text("")
+    os.utime(stale, (time.time() - 120,) * 2)
     live = tmp_path / "distlab-888888-def"
     live.mkdir()
     held = os.open(live / ".lock", os.O_CREAT | os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX)
+    os.utime(live, (time.time() - 120,) * 2)
+    young = tmp_path / "distlab-777777-ghi"  # created by a launcher that has yet to lock it
+    young.mkdir()
+    (young / ".lock").write_text("")
     try:
         launch.run(_pids, 1, backend="gloo", timeout=60, isolated=True)
         assert not stale.exists(), "a directory nobody holds is removed"
         assert live.exists(), "a directory whose launcher is alive is kept"
-        assert not [p for p in tmp_path.iterdir() if p.name not in (live.name,)], \
+        assert young.exists(), "a directory younger than a minute is kept (its lock may be coming)"
+        assert not [p for p in tmp_path.iterdir() if p.name not in (live.name, young.name)], \
             "the launch removed its own directory"
     finally:
         os.close(held)

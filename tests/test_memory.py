@@ -63,6 +63,58 @@ def test_live_bytes_counts_each_storage_once():
     assert (held.params, held.grads, held.master, held.optimizer) == (32, 32, 0, 64)
 
 
+def test_live_bytes_counts_what_the_tensors_span():
+    bucket = torch.zeros(10)                         # 8 gradients, then 2 flags
+    grads = [bucket[:5], bucket[5:8]]
+    assert memory.live_bytes(grads=grads).grads == 8 * 4, "the flags are not gradients"
+    assert memory.live_bytes(grads=grads + [bucket[2:7], bucket]).grads == 10 * 4
+    rows = torch.zeros(4, 6)
+    assert memory.live_bytes(params=[rows[:, 0]]).params == (3 * 6 + 1) * 4  # a strided view
+
+
+def test_step_buffers_per_stage_with_even_shards():
+    """The optimizer step's buffers in Ψ-multiples (bf16 weights, fp32 master, foreach
+    AdamW's one temporary per shard element) when the shards are equal."""
+    psi = 12 * 1024
+    for world in (2, 4):
+        got = [memory.step_buffers([psi], world, 1, stage) / psi for stage in memory.STAGES]
+        assert got[0] == 8, "data parallel: fp32 gradients, then AdamW's sqrt(v)"
+        # stage 1: the gradients' flat copy and the reduce-scatter output (2 + 2/N), or
+        # the fp32 gradient shard and AdamW's temporary (8/N), whichever is larger
+        assert got[1] == max(2 + 2 / world, 8 / world)
+        assert got[2] == got[3] == 4 / world, "stages 2 and 3: AdamW's temporary only"
+    units = [6 * 1024, 4 * 1024]                     # two units: their buffers add up
+    assert memory.step_buffers(units, 2, 0, 2) == 4 * 5 * 1024
+    assert memory.step_buffers([10], 4, 0, 1) > memory.step_buffers([12], 4, 0, 1), \
+        "uneven shards need padded copies"
+    with pytest.raises(ValueError, match="stage"):
+        memory.step_buffers([psi], 2, 0, 5)
+
+
+def test_the_storage_tracker_counts_allocations_frees_and_resizes():
+    outside, resize = torch.ones(100), torch.UntypedStorage.resize_
+    with memory.StorageTracker() as tracker:
+        a = torch.cat([outside, outside])           # 800 B, new
+        view = a[10:]                                # no new storage
+        outside.add_(1)                              # in place, made before: not counted
+        assert tracker.allocated() == tracker.peak() == 800
+        del a
+        assert tracker.allocated() == 800, "a view keeps its storage alive"
+        del view
+        b = torch.zeros(50)                          # 200 B
+        assert (tracker.allocated(), tracker.peak()) == (200, 800)
+        tracker.reset_peak()
+        b.untyped_storage().resize_(0)               # what FlatParams.free does
+        assert tracker.allocated() == 0
+        b.untyped_storage().resize_(400)
+        assert (tracker.allocated(), tracker.peak()) == (400, 400)
+        x = torch.ones(8, requires_grad=True)
+        (x * 2).sin().sum().backward()               # saved activations come and go
+        assert tracker.allocated() == 400 + 32 + 32, "b, x and x.grad"
+    assert torch.UntypedStorage.resize_ is resize, "the resize hook is removed on exit"
+    assert tracker.settle(0, timeout=0) == 464
+
+
 def test_the_calculator_updates_and_has_a_static_view():
     calc = MemoryCalculator(num_params=7.5e9, world_size=64)
     assert "120.0 GB" in calc.table.value and "1.9 GB" in calc.table.value

@@ -32,7 +32,7 @@ def loss_of(model, rank, device="cpu"):
 
 
 def cases():
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {"channel": type(overlap.channel("auto", None, torch.device("cpu"))).__name__}
     for kind in ("stream", "raw-nccl", "nope"):
         try:

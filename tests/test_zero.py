@@ -41,13 +41,13 @@ def awkward(dtype=torch.float64):
     return model
 
 
-def tied(dtype=torch.float32):
+def tied(dtype=torch.float32, vocab_size=VOCAB):
     """The test GPT as it comes: every parameter trains (the tied embedding included).
     (Not inlined below: cloudpickle would then try to send ``torch.distributed.config``,
     a function that names ``config`` and uses ``dist`` being taken for one that uses
     that submodule.)"""
     torch.manual_seed(0)
-    return GPT(config("test", vocab_size=VOCAB)).to(dtype)
+    return GPT(config("test", vocab_size=vocab_size)).to(dtype)
 
 
 def loss_of(model, step, rank=0, world=1, device="cpu"):
@@ -56,16 +56,18 @@ def loss_of(model, step, rank=0, world=1, device="cpu"):
     return loss * shard_loss_weight(len(x), BATCH, world)
 
 
-def wrap(kind, model, group=None, compute_dtype=None):
-    """(the module to call, the optimizer) of each strategy."""
+def wrap(kind, model, group=None, compute_dtype=None, **optim):
+    """(the module to call, the optimizer) of each strategy; ``optim``: more AdamW
+    keywords."""
+    optim = {**ADAMW, **optim}
     if kind == "stage1":
-        return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, group, **ADAMW)
+        return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, group, **optim)
     if kind == "stage1 after DataParallel":
         return DataParallel(model, group=group), ShardedOptimizer(
-            model.parameters(), torch.optim.AdamW, group, average_gradients=False, **ADAMW)
+            model.parameters(), torch.optim.AdamW, group, average_gradients=False, **optim)
     fsdp = FullyShardedDataParallel(model, compute_dtype, group,
                                     shard_parameters=kind == "stage3")
-    return fsdp, torch.optim.AdamW(fsdp.parameters(), **ADAMW)
+    return fsdp, torch.optim.AdamW(fsdp.parameters(), **optim)
 
 
 def weights(model, net):
@@ -94,24 +96,43 @@ def train(kind, rank, world, steps=STEPS, group=None, device="cpu"):
 
 def bf16_bytes(kind, group, solo):
     """What a rank holds at the end of backward of the second bf16 step, every
-    parameter training (the accounting counts a gradient and moments for each)."""
+    parameter training (the accounting counts a gradient and moments for each), on a
+    GPT of 7,088 parameters (uneven over 3 ranks); and what a StorageTracker measures
+    from before the model is built: bytes in use at the end of backward, the most the
+    optimizer step adds (foreach AdamW, as on GPUs), and what is left once the strategy
+    is dropped."""
+    import gc
+
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    model = tied()
-    if kind == "stage0":               # data parallel: an optimizer over a group of one
-        model = model.to(torch.bfloat16)
-        net, opt = DataParallel(model, group=group), ShardedOptimizer(
-            model.parameters(), torch.optim.AdamW, solo, average_gradients=False, **ADAMW)
-    elif kind == "stage1":
-        net, opt = wrap(kind, model.to(torch.bfloat16), group)
-    else:
-        net, opt = wrap(kind, model, group, compute_dtype=torch.bfloat16)
-    for step in range(2):
-        opt.zero_grad()
-        loss_of(net, step, rank, world).backward()
-        if step == 0:
-            opt.step()
-    units = [f.numel for f in (net if hasattr(net, "flat_params") else opt).flat_params()]
-    return memory.held_bytes(net, opt).as_dict(), units
+    with memory.StorageTracker() as tracker:
+        model = tied(vocab_size=VOCAB + 2)
+        if kind == "stage0":           # data parallel: an optimizer over a group of one
+            model = model.to(torch.bfloat16)
+            net, opt = DataParallel(model, group=group), ShardedOptimizer(
+                model.parameters(), torch.optim.AdamW, solo, average_gradients=False,
+                foreach=True, **ADAMW)
+        elif kind == "stage1":
+            net, opt = wrap(kind, model.to(torch.bfloat16), group, foreach=True)
+        else:
+            net, opt = wrap(kind, model, group, compute_dtype=torch.bfloat16, foreach=True)
+        for step in range(2):
+            opt.zero_grad()
+            loss_of(net, step, rank, world).backward()
+            if hasattr(net, "finish_gradient_synchronization"):
+                net.finish_gradient_synchronization()
+            if step == 0:
+                opt.step()
+        measured = {"states": tracker.allocated()}
+        tracker.reset_peak()
+        held = memory.held_bytes(net, opt).as_dict()
+        units = [f.numel for f in (net if hasattr(net, "flat_params") else opt).flat_params()]
+        opt.step()
+        measured["step"] = tracker.peak() - measured["states"]
+        params = len(list(model.parameters()))
+        del model, net, opt
+        gc.collect()
+        measured["left"] = tracker.settle(0)
+    return held, units, measured, params
 
 
 def fp16_skip(group):
@@ -312,7 +333,7 @@ def test_traffic_is_what_each_stage_should_move(world):
     """Bytes as nccl-tests counts them (an all-gather's output, a reduce-scatter's
     input), padded to equal pieces: stage 1 and 2 one reduce-scatter and one all-gather
     of Ψ per step, stage 3 one more all-gather, stage 1 after DataParallel an all-reduce
-    in place of the reduce-scatter."""
+    of its buckets in place of the reduce-scatter."""
     padded = {kind: sum(world * -(-n // world) for n in units_of(kind)) * 8 for kind in KINDS}
     expected = {"stage1": {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1},
                 "stage2": {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1},
@@ -323,11 +344,12 @@ def test_traffic_is_what_each_stage_should_move(world):
             for op, times in ops.items():
                 assert log.count(op) == STEPS * times * len(units_of(kind)), (kind, op)
                 assert log.nbytes(op) == STEPS * times * padded[kind], (kind, op, rank)
-    model = awkward()
-    grad_bytes = sum(p.numel() * 8 for n, p in model.named_parameters()
-                     if n not in ("ln_f.bias", "unused"))
+    # DataParallel's buckets: every trainable parameter's gradient (zeros for the unused
+    # one) and a flag per parameter that says whether any rank produced it
+    trainable = [p for p in awkward().parameters() if p.requires_grad]
+    bucket_bytes = sum(p.numel() + 1 for p in trainable) * 8
     for log in comm(world, "stage1 after DataParallel"):
-        assert log.nbytes("all_reduce") == STEPS * grad_bytes
+        assert log.nbytes("all_reduce") == STEPS * bucket_bytes
         assert log.nbytes("all_gather_into_tensor") == STEPS * padded["stage1"]
 
 
@@ -364,16 +386,23 @@ def test_a_state_dict_saved_on_3_ranks_continues_on_4():
 # ------------------------------------------------------------------------ memory
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_each_rank_holds_what_the_accounting_says(world):
     """bf16 weights and gradients, fp32 master weights and AdamW moments, at the end of
-    backward: distlab.memory's exact accounting, byte for byte."""
+    backward: distlab.memory's exact accounting, byte for byte, counted on the objects
+    (held_bytes) and measured as storage in use (StorageTracker); the optimizer step's
+    buffers are distlab.memory.step_buffers; dropping a strategy frees everything."""
     for rank, r in enumerate(results(world)):
-        for kind, (held, units) in r["bytes"].items():
+        for kind, (held, units, measured, params) in r["bytes"].items():
             stage = int(kind[-1])
+            where = f"{kind}, rank {rank} of {world}"
             want = memory.accounting(units, 1 if stage == 0 else world, 0 if stage == 0
                                      else rank, stage).as_dict()
-            assert held == want, f"{kind}, rank {rank} of {world}: {held} != {want}"
+            assert held == want, f"{where}: {held} != {want}"
+            flags = 2 * params if stage == 0 else 0   # DataParallel's flag per parameter
+            assert measured["states"] == want["total"] + flags, where
+            assert measured["step"] == memory.step_buffers(units, world, rank, stage), where
+            assert measured["left"] == 0, f"{where}: {measured['left']} bytes outlive it"
 
 
 # -------------------------------------------------------------------- the rest
@@ -467,20 +496,38 @@ def test_every_stage_trains_like_one_process_on_gpus():
 
 
 def test_the_gpu_bench_runs_on_cpus_and_reports():
-    """python -m distlab.zero_bench's sections on 4 gloo ranks and the test GPT: the
-    memory and speed code paths run (CUDA figures are zeros here), the table and the
-    figure come out."""
+    """python -m distlab.zero_bench's sections on 4 gloo ranks and the test GPT, memory
+    measured by a StorageTracker: each strategy's model states, step buffers and
+    leftovers are what the GPU run compares (exact here), the speed section runs both
+    wrappers with both AdamWs and counts their traffic, the table and figure come out."""
     from distlab import zero_bench
     from distlab.viz.zero import plot_gpu_figures
 
     results = launch.run(zero_bench.rank_bench, 4, config("test", vocab_size=VOCAB), 2, 8, 2, 1,
-                         ("kernel", "memory", "speed"), backend="gloo", timeout=120)
+                         ("kernel", "memory", "speed"), backend="gloo", timeout=300)
     assert results[0]["kernel"] == {"skipped": "needs CUDA and cupy"}
+    params = len(list(tied().parameters()))
     for rank, r in enumerate(results):
         assert "error" not in r["memory"] and "error" not in r["speed"], r
         for strategy in zero_bench.STRATEGIES:
-            m = r["memory"][strategy]
-            assert m["held"] == m["accounting"], f"rank {rank}, {strategy}"
+            m, where = r["memory"][strategy], f"rank {rank}, {strategy}"
+            assert m["held"] == m["accounting"], where
+            flags = 2 * params if strategy == "data parallel" else 0
+            assert m["states"] == m["accounting"]["total"] + flags, where
+            assert m["step buffers"] == m["step buffers accounted"], where
+            assert m["left behind"] == 0, where
+    runs = results[0]["speed"]["runs"]
+    for opt_name in zero_bench.OPTIMIZERS:
+        ours, theirs = runs[opt_name]["ZeRO-3"]["traffic"], runs[opt_name]["FSDP2"]["traffic"]
+        assert set(ours) == set(theirs) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+        # FSDP2 keeps the root gathered from forward to backward; both reduce everything
+        assert ours["all_gather_into_tensor"][0] == theirs["all_gather_into_tensor"][0] + 1
     text = zero_bench.report(results)
-    assert "ZeRO-3 / FSDP2" not in text and "ratio" in text and "ZeRO-2" in text
+    assert "ZeRO-3 / FSDP2 step time: AdamW foreach" in text and "ZeRO-2" in text
+    assert plot_gpu_figures(results).axes
+    # a variant that failed (FSDP2 with the fused AdamW, say) keeps the others' figures
+    runs["fused"]["FSDP2"] = {"error": "RuntimeError: no fused AdamW here"}
+    del results[0]["speed"]["ZeRO-3 / FSDP2"]["fused"]
+    text = zero_bench.report(results)
+    assert "FSDP2   RuntimeError: no fused AdamW here" in text and "AdamW foreach" in text
     assert plot_gpu_figures(results).axes

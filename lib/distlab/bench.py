@@ -174,7 +174,6 @@ def _op(op: str, nbytes: int, dtype: torch.dtype, group):
     element count of its message. Sizes round down to what the op can split evenly.
     The calls bypass CommLog's tracer (:func:`distlab.comm.untraced`)."""
     n = dist.get_world_size(group)
-    rank = dist.get_rank(group)
     device = backend.device()
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = max(nbytes // itemsize, 1)

@@ -335,7 +335,9 @@ def _sandbox() -> tuple | None:
 
 def _new_workdir(run_as) -> tuple[str, int]:
     """A private directory for one pool, and a descriptor holding the lock that marks it
-    in use; directories whose lock nobody holds (their launcher died) are removed."""
+    in use; directories whose lock nobody holds (their launcher died) are removed. A
+    directory younger than a minute is left alone: between its creation and the lock
+    another launcher would see it unlocked."""
     import fcntl
 
     root = tempfile.gettempdir()
@@ -344,7 +346,8 @@ def _new_workdir(run_as) -> tuple[str, int]:
         if not re.fullmatch(r"distlab-\d+-\w+", name):
             continue
         with contextlib.suppress(OSError):
-            if os.stat(path).st_uid != os.geteuid():
+            st = os.stat(path)
+            if st.st_uid != os.geteuid() or time.time() - st.st_mtime < 60:
                 continue
             fd = os.open(os.path.join(path, ".lock"), os.O_RDWR)
             try:

@@ -1,11 +1,13 @@
 """What the three exercises of lab 07 are tested on.
 
-The student's function runs once per case in one sandboxed rank (:func:`answer`); its
-tables come back as plain data and are checked here against the library's reference
-(distlab.pp.schedule), then executed, as plain data, by the library's runtime on gloo
-ranks beside the reference table; the losses, weights and CommLogs come back to be
-checked here.
+The student's function runs once per case in one sandboxed rank (:func:`answer`), with
+the library's reference answers (distlab.pp.schedule) made to refuse while it runs
+(:func:`references_refused`): an answer that merely calls them fails. Its tables come
+back as plain data and are checked here against the reference, then executed, as plain
+data, by the library's runtime on gloo ranks beside the reference table; the losses,
+weights and CommLogs come back to be checked here.
 """
+import contextlib
 import sys
 
 import cloudpickle
@@ -30,13 +32,48 @@ LANG = NGramLanguage(VOCAB, 3, seed=0)
 CFG = config("test", vocab_size=VOCAB, n_layer=2)
 
 
+REFERENCES = ("gpipe_schedule", "one_f_one_b_schedule", "bubble_fraction")
+REFUSED = "your answer called the library's reference"
+REFUSAL = REFUSED + " {name}; write your own"
+
+
+def _refusal(name):
+    """The code of a function that raises the refusal for ``name``. It only uses
+    builtins: swapped into the reference, it runs with the reference's globals."""
+    namespace = {}
+    exec(f"def {name}(*args, **kwargs):\n"
+         f"    raise RuntimeError({REFUSAL.format(name=name)!r})\n", namespace)
+    return namespace[name].__code__
+
+
+@contextlib.contextmanager
+def references_refused():
+    """While it lasts, the library's reference answers raise the refusal. Their code is
+    swapped, not their names, so every way to reach them refuses: ``pp.gpipe_schedule``,
+    ``distlab.pp.schedule.gpipe_schedule``, ``pp.build_schedule``, ``pp.SCHEDULES``."""
+    from distlab.pp import schedule
+
+    saved = {}
+    try:
+        for name in REFERENCES:
+            fn = getattr(schedule, name)
+            saved[fn] = fn.__code__
+            fn.__code__ = _refusal(name)
+        yield
+    finally:
+        for fn, code in saved.items():
+            fn.__code__ = code
+
+
 def answers(fn, cases):
-    """In a rank: ``fn(*args)`` for every case, each as {"value", "error"} (the
-    exception's class name and message, or None)."""
+    """In a rank: ``fn(*args)`` for every case, the references refused, each as
+    {"value", "error"} (the exception's class name and message, or None)."""
     out = []
     for args in cases:
         try:
-            out.append({"value": fn(*args), "error": None})
+            with references_refused():
+                value = fn(*args)
+            out.append({"value": value, "error": None})
         except Exception as exc:
             out.append({"value": None, "error": [type(exc).__name__, str(exc)]})
     return out
@@ -45,14 +82,19 @@ def answers(fn, cases):
 _answers = {}
 
 
+def _key(args):
+    """``args`` told apart by type too: (True, 4) and (2.0, 4) are not (1, 4) and (2, 4)."""
+    return tuple((type(a).__name__, a) for a in args)
+
+
 def outcome(fn, name, args, cases):
     """What ``fn(*args)`` gave. The student's code runs once per exercise, on every one
     of ``cases``, in a one-rank launch; never in this process."""
     if name not in _answers:
         out = launch.run(answers, 1, fn, [list(c) for c in cases], backend="gloo",
                          timeout=TIMEOUT)[0]
-        _answers[name] = {tuple(c): o for c, o in zip(cases, out)}
-    return _answers[name][tuple(args)]
+        _answers[name] = {_key(c): o for c, o in zip(cases, out)}
+    return _answers[name][_key(args)]
 
 
 def answer(fn, name, args, cases):
@@ -68,7 +110,8 @@ def answer(fn, name, args, cases):
 
 
 BAD_SIZES = [(0, 4), (2, 0), (-1, 3)]
-CASES = GRID + BAD_SIZES
+NOT_INTS = [(2.0, 4), (4, 3.0), (True, 4), (3, True), ("2", 4)]  # each must raise ValueError
+CASES = GRID + BAD_SIZES + NOT_INTS
 
 
 def table_of(fn, name, p, m):
@@ -143,15 +186,43 @@ def check_order(fn, name, reference):
         assert problem is None, problem
 
 
+def _raised(fn, name, args, cases):
+    """The class name of the exception ``fn(*args)`` raised, None if it returned, and
+    what it did in words."""
+    got = outcome(fn, name, args, cases)
+    kind = got["error"][0] if got["error"] else None
+    if kind == "NotImplementedError":
+        raise NotImplementedError(got["error"][1])
+    return kind, f"raised {kind}" if kind else f"returned {got['value']!r}"
+
+
 def check_bad_sizes(fn, name, cases=CASES, bad_sizes=BAD_SIZES):
     for args in bad_sizes:
-        got = outcome(fn, name, args, cases)
-        kind = got["error"][0] if got["error"] else None
-        if kind == "NotImplementedError":
-            raise NotImplementedError(got["error"][1])
+        kind, did = _raised(fn, name, args, cases)
         assert kind == "ValueError", (
-            f"{name}{args} " + (f"raised {kind}" if kind else f"returned {got['value']!r}") +
-            f"; raise ValueError when num_stages or num_microbatches is below 1")
+            f"{name}{args} {did}; raise ValueError when num_stages or num_microbatches is "
+            f"below 1")
+
+
+def check_not_ints(fn, name, cases=CASES, not_ints=NOT_INTS):
+    for args in not_ints:
+        kind, did = _raised(fn, name, args, cases)
+        assert kind == "ValueError", (
+            f"{name}({', '.join(map(repr, args))}) {did}; raise ValueError for a size that "
+            f"is not an int: a float such as 2.0, a bool (True is an int to isinstance, so "
+            f"test type(x) is int) or a string")
+
+
+def check_own_answer(fn, name, cases=CASES):
+    """No case reached the library's reference (they refuse while the student's code
+    runs: :func:`answers`)."""
+    for args in cases:
+        got = outcome(fn, name, args, cases)
+        if got["error"] and got["error"][0] == "NotImplementedError":
+            raise NotImplementedError(got["error"][1])
+        assert not (got["error"] and got["error"][1].startswith(REFUSED)), (
+            f"{name}({', '.join(map(repr, args))}): {got['error'][1]} (the lab's "
+            f"pp.{name} is the answer the grader compares with, not part of yours)")
 
 
 # ------------------------------------------------------- executing a table for real
@@ -206,7 +277,7 @@ def check_execution(fn, name, p, m, reference):
 
 def first_tests(name):
     """The tests both schedule exercises start with: the format, each action once, a
-    table that can run, bad sizes."""
+    table that can run, bad sizes, sizes that are not ints, no call of the reference."""
     def test_returns_one_list_of_actions_per_stage(student):
         check_format(getattr(student, name), name)
 
@@ -219,9 +290,16 @@ def first_tests(name):
     def test_bad_sizes_raise_value_error(student):
         check_bad_sizes(getattr(student, name), name)
 
+    def test_non_integers_raise_value_error(student):
+        check_not_ints(getattr(student, name), name)
+
+    def test_writes_its_own_answer(student):
+        check_own_answer(getattr(student, name), name)
+
     return (test_returns_one_list_of_actions_per_stage,
             test_every_micro_batch_forward_then_backward_once,
-            test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error)
+            test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error,
+            test_non_integers_raise_value_error, test_writes_its_own_answer)
 
 
 def last_tests(name, reference):

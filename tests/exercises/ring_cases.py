@@ -206,8 +206,8 @@ def make_tests(name):
         assert what == "returned a NoneType", (
             f"rank 0 is not a member of the group {list(SUBGROUP)}; {name} should return None "
             f"at once there (as torch.distributed's collectives do), but it {what}")
-        expect_close(x, torch.arange(6.0), f"the tensor of rank 0, outside the group (it must "
-                                           f"be left as it was)")
+        expect_close(x, torch.arange(6.0), "the tensor of rank 0, outside the group (it must "
+                                           "be left as it was)")
 
     def test_would_not_hang_on_nccl(student):
         """NCCL's rules, checked from the calls every rank made (2, 3 and 4 ranks, and the

@@ -5,8 +5,10 @@ output features (rows of the weight, elements of the bias), takes the full input
 returns its slice of the output, or the whole output with ``gather_output=True``; the
 input's gradient is summed over the group (Megatron's f). Tested at 1, 2, 3 and 4 ranks
 (3 and 4 split 10 features unevenly), with and without a bias, against the full layer's
-output and every gradient, with the collectives CommLog saw; then with gather_output and
-on a group of two ranks. The cases and checks are in tp_cases.py.
+output and every gradient, with the collectives CommLog saw (at one rank they may be
+skipped); then with gather_output, and on a group of ranks 0 and 2 of 3 and 4, where a
+rank outside the group must keep no shard and return None at once, without a call and
+without touching the nn.Linear or the input. The cases and checks are in tp_cases.py.
 """
 import tp_cases
 
@@ -20,3 +22,4 @@ test_weight_and_bias_gradients = _tests["param_grads"]
 test_no_collective_forward_one_all_reduce_backward = _tests["communication"]
 test_gather_output_returns_the_whole_output = _tests["gather"]
 test_a_group_of_two_ranks = _tests["group"]
+test_a_rank_outside_the_group_returns_none_at_once = _tests["outside"]

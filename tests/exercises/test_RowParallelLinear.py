@@ -2,10 +2,13 @@
 
 Built from a full ``nn.Linear``, it keeps this rank's ``torch.tensor_split`` shard of the
 input features (columns of the weight) and the whole bias, takes this rank's slice of
-the input, all-reduces the partial products (Megatron's g) and adds the bias once.
-Tested at 1, 2, 3 and 4 ranks (3 and 4 split 7 features unevenly), with and without a
-bias, against the full layer's output and every gradient, with the collectives CommLog
-saw; then on a group of two ranks. The cases and checks are in tp_cases.py.
+the input, all-reduces the partial products (Megatron's g) and adds the bias once, after
+the sum. Tested at 1, 2, 3 and 4 ranks (3 and 4 split 7 features unevenly), with and
+without a bias, against the full layer's output and every gradient, with the collectives
+CommLog saw (at one rank they may be skipped); then on a group of ranks 0 and 2 of 3 and
+4, where a rank outside the group must keep no shard and return None at once, without a
+call and without touching the nn.Linear or the input. The cases and checks are in
+tp_cases.py.
 """
 import tp_cases
 
@@ -18,3 +21,4 @@ test_input_gradient_stays_on_its_rank = _tests["input_grad"]
 test_weight_and_bias_gradients = _tests["param_grads"]
 test_one_all_reduce_forward_none_backward = _tests["communication"]
 test_a_group_of_two_ranks = _tests["group"]
+test_a_rank_outside_the_group_returns_none_at_once = _tests["outside"]

@@ -1,17 +1,18 @@
 """Exercise bubble_fraction(num_stages, num_microbatches) of lab 07: the idle fraction
 (p-1)/(m+p-1) of GPipe and 1F1B on equal stages. Expected values come from the
-library's ideal clock (distlab.pp.simulate), computed here."""
+library's ideal clock (distlab.pp.simulate), computed here; the student's function runs
+with the library's bubble_fraction and schedules refused (pp_cases.answers)."""
 import pytest
 
 from distlab import pp
-from pp_cases import answer, check_bad_sizes
+from pp_cases import NOT_INTS, answer, check_bad_sizes, check_not_ints, check_own_answer
 
 NOTEBOOK = "07_pipeline_parallel"
 NAME = "bubble_fraction"
 GRID = [(p, m) for p in (4, 2, 8, 3, 1, 5, 6, 7) for m in (8, 1, 3, 16, 2, 4, 5, 7, 12)]
 LIMITS = [(p, m) for p in (2, 4, 8) for m in (1, 4, 16, 64, 1024)]
 BAD_SIZES = [(0, 4), (2, 0), (-2, 5)]
-CASES = sorted(set(GRID + LIMITS + BAD_SIZES + [(1, 1), (1, 2), (1, 7)]))
+CASES = sorted(set(GRID + LIMITS + BAD_SIZES + [(1, 1), (1, 2), (1, 7)])) + NOT_INTS
 SLIPS = {  # common slips, recognised to say what went wrong
     "the denominator is m+p-1 slots (m micro-batches plus p-1 to fill and drain the "
     "pipeline), not m+p": lambda p, m: (p - 1) / (m + p),
@@ -72,3 +73,11 @@ def test_returns_a_float(student):
 
 def test_bad_sizes_raise_value_error(student):
     check_bad_sizes(student.bubble_fraction, NAME, CASES, BAD_SIZES)
+
+
+def test_non_integers_raise_value_error(student):
+    check_not_ints(student.bubble_fraction, NAME, CASES)
+
+
+def test_writes_its_own_answer(student):
+    check_own_answer(student.bubble_fraction, NAME, CASES)

@@ -9,7 +9,8 @@ from pp_cases import GRID, first_tests, last_tests, student_table
 NOTEBOOK = "07_pipeline_parallel"
 NAME = "gpipe_schedule"
 (test_returns_one_list_of_actions_per_stage, test_every_micro_batch_forward_then_backward_once,
- test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error) = first_tests(NAME)
+ test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error,
+ test_non_integers_raise_value_error, test_writes_its_own_answer) = first_tests(NAME)
 
 
 def test_all_forwards_before_the_first_backward(student):

@@ -1,7 +1,8 @@
 """Exercise one_f_one_b_schedule(num_stages, num_microbatches) of lab 07.
 
-Per stage s of p: min(p-s-1, m) warm-up forwards, then one forward and one backward
-alternating, then the remaining backwards; micro-batches in increasing order. The
+Per stage s of p: min(p-s-1, m) forwards (warm-up), then one forward and one backward
+alternating (steady state), then the backwards left (cool-down); micro-batches in
+increasing order. The
 cases and the execution are in pp_cases.py.
 """
 from distlab import pp
@@ -10,7 +11,8 @@ from pp_cases import GRID, first_tests, last_tests, student_table
 NOTEBOOK = "07_pipeline_parallel"
 NAME = "one_f_one_b_schedule"
 (test_returns_one_list_of_actions_per_stage, test_every_micro_batch_forward_then_backward_once,
- test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error) = first_tests(NAME)
+ test_stages_agree_and_nothing_waits_forever, test_bad_sizes_raise_value_error,
+ test_non_integers_raise_value_error, test_writes_its_own_answer) = first_tests(NAME)
 
 
 def test_warm_up_forwards(student):
@@ -35,8 +37,8 @@ def test_steady_state_alternates(student):
             want = "F" * warmup + "FB" * (m - warmup) + "B" * warmup
             assert kinds == want, (
                 f"one_f_one_b_schedule({p}, {m}), stage {s} runs {kinds}; expected {want}: "
-                f"{warmup} warm-up forwards, then forward and backward alternating, then the "
-                f"{warmup} backwards left")
+                f"warm-up, {warmup} forwards; steady state, forward and backward alternating; "
+                f"cool-down, the {warmup} backwards left")
 
 
 def test_holds_at_most_p_minus_s_micro_batches(student):

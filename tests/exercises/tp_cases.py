@@ -316,34 +316,48 @@ def check_communication(kind, case, out):
             f"group of {gsize}: pass group= to the collective")
 
 
-def check_non_members(kind, out):
-    """On a rank outside ``group`` the layer returns None and makes no call."""
+def check_non_members(kind, case, out):
+    """On a rank outside ``group`` the layer keeps no shard, returns None at once, makes
+    no call and leaves its inputs (the nn.Linear and x) as they were."""
     x = reference()[1]
     for rank, found in enumerate(out):
         if rank in PAIR:
             continue
-        what = where(kind, "pair", rank, len(out)) + " (not a member)"
-        assert found["y_type"] == "NoneType", (f"{what}: forward returned {found['y_type']}; on a rank outside "
-                                           f"the group it returns None at once (dist.get_rank(group) "
-                                           f"is -1 there)")
+        what = where(kind, case, rank, len(out)) + " (not a member)"
+        assert found["y_type"] == "NoneType", (
+            f"{what}: forward returned {found['y_type']}; on a rank outside the group "
+            f"(dist.get_rank(group) is -1 there) it returns None at once")
         calls = [e["op"] for e in found["build"] + found["forward"]]
-        assert not calls, f"{what}: made {calls}; a rank outside the group makes no call"
-        assert torch.equal(found["x_after"], x), f"{what}: the input was changed"
+        assert not calls, (f"{what}: made {calls}; a rank outside the group makes no call "
+                           f"(test dist.get_rank(group) < 0 first, and return)")
+        assert torch.equal(found["x_after"], x), (f"{what}: forward changed its input x; on a rank "
+                                                 f"outside the group return None without touching it")
+        assert found["linear_unchanged"], (f"{what}: the nn.Linear passed in was modified; a rank "
+                                           f"outside the group leaves it alone")
+        held = [n for n, _ in found["params"]]
+        assert not held, (f"{what}: the layer holds parameters {held}; a rank outside the group "
+                          f"keeps no shard (self.weight = self.bias = None)")
 
 
-def check_everything(kind, case, out):
-    """Every check on one case, in the order a student would fix them."""
+def check_members(kind, case, out):
+    """Every check on one case's members, in the order a student would fix them."""
     for check in (check_shards, check_output, check_input_grad, check_param_grads,
                   check_communication):
         check(kind, case, out)
+
+
+def check_everything(kind, case, out):
+    """Every check on one case: its members, then the ranks outside its group."""
+    check_members(kind, case, out)
     if case == "pair":
-        check_non_members(kind, out)
+        check_non_members(kind, case, out)
 
 
 def make_tests(kind: str, name: str) -> dict:
     """The tests of exercise ``name`` (a layer of ``kind``), by aspect, each one point per
-    size: a wrong bias, a missing all-reduce or a wrong slice each lose the points of
-    their own aspect."""
+    size: a wrong bias, a missing all-reduce, a wrong slice or a rank outside the group
+    that does not return None at once each lose the points of their own aspect. At one
+    rank the collectives may be called or skipped."""
     def test(check, case_names=("bias", "no bias"), forward=True, sizes=SIZES):
         @pytest.mark.parametrize("size", sizes)
         def run_checks(student, size):
@@ -354,7 +368,8 @@ def make_tests(kind: str, name: str) -> dict:
     tests = {"shards": test(check_shards, forward=False), "output": test(check_output),
              "input_grad": test(check_input_grad), "param_grads": test(check_param_grads),
              "communication": test(check_communication),
-             "group": test(check_everything, ["pair"], sizes=[3, 4])}
+             "group": test(check_members, ["pair"], sizes=[3, 4]),
+             "outside": test(check_non_members, ["pair"], sizes=[3, 4])}
     if kind == "column":
         tests["gather"] = test(check_everything, ["gather"])
     return tests

@@ -49,9 +49,11 @@ if [ "${GRAPH:-1}" = 1 ]; then  # GRAPH=0 skips it (saves about 25 s)
     ${REF[@]+"${REF[@]}"} --out "$OUT/bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-graph.txt"
 fi
 
-step "distlab.bench, 1 NCCL rank (lab 01: what a one-rank bench times)"
-timeout 120 $PY -m distlab.bench -n 1 --backend nccl -b 4K -e 1G -f 4 --out "$OUT/bench-1" \
-  2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-1.txt"
+if [ "${ONE_RANK:-1}" = 1 ]; then  # ONE_RANK=0 skips it (saves about 10 s)
+  step "distlab.bench, 1 NCCL rank (lab 01: what a one-rank bench times)"
+  timeout 120 $PY -m distlab.bench -n 1 --backend nccl -b 4K -e 1G -f 4 --out "$OUT/bench-1" \
+    2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-1.txt"
+fi
 
 step "distlab.ring_bench: reference ring vs NCCL all_reduce, 64 MiB .. 1 GiB"
 timeout 120 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \

@@ -3,7 +3,8 @@
 # call:  bash tools/gpu/session.sh A|B|C  (from the repository root).
 #   A: issue10.sh (bench against nccl-tests, the ring), issue11.sh (ZeRO), pp_bench (lab 07)
 #   B: issue15.sh (overlap), issue16.sh (TP), the gpu tiers of every exercise, nbval 01-03
-#   C: the re-runs after fixes: issue10.sh, pp_bench and its tests, issue16.sh, issue11.sh
+#   C: the re-runs after fixes: issue10.sh (eager, 2 ranks), pp_bench and its tests, issue16.sh,
+#      issue11.sh (the 8 x 1024 bench and the tests)
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
@@ -25,11 +26,11 @@ if [ "$part" = A ]; then
   run 120 pp_bench python3 -m distlab.pp_bench --out "$RESULTS/pp"
   run 60 pp_tests python3 -m pytest -q -p no:cacheprovider -m multigpu tests/test_pp.py
 elif [ "$part" = C ]; then
-  run 170 issue10 env OUT="$RESULTS/issue10" bash tools/gpu/issue10.sh
-  run 90 pp_bench python3 -m distlab.pp_bench --out "$RESULTS/pp" --timeout 80
-  run 60 pp_tests python3 -m pytest -q -rfEs -p no:cacheprovider -m multigpu tests/test_pp.py
-  run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
-  run 100 issue11 env OUT="$RESULTS/issue11" bash tools/gpu/issue11.sh
+  run 150 issue10 env OUT="$RESULTS/issue10" GRAPH=0 ONE_RANK=0 bash tools/gpu/issue10.sh
+  run 60 pp_bench python3 -m distlab.pp_bench --out "$RESULTS/pp" --timeout 50
+  run 50 pp_tests python3 -m pytest -q -rfEs -p no:cacheprovider -m multigpu tests/test_pp.py
+  run 130 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
+  run 120 issue11 env OUT="$RESULTS/issue11" SMALL=0 bash tools/gpu/issue11.sh
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh

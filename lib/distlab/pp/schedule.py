@@ -9,8 +9,9 @@ actions, ``("F", i)`` the forward of micro-batch ``i`` and ``("B", i)`` its back
   holds the activations of all m micro-batches before its first backward.
 * **1F1B**, PipeDream-Flush (Narayanan et al. 2021, "Memory-efficient pipeline-parallel
   DNN training", the schedule of Megatron-LM): stage s of p runs ``min(p-s-1, m)``
-  warm-up forwards, then alternates one forward and one backward, then runs the
-  backwards left. Stage s never holds more than ``min(p-s, m)`` micro-batches.
+  forwards (warm-up), then alternates one forward and one backward (steady state),
+  then runs the backwards left (cool-down). Stage s never holds more than
+  ``min(p-s, m)`` micro-batches.
 
 With the same forward time and the same backward time on every stage and free
 communication, both keep each stage idle for ``(p-1)/(m+p-1)`` of the step (the
@@ -37,8 +38,9 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> Table:
 
 
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> Table:
-    """Per stage s: min(p-s-1, m) warm-up forwards, then one forward and one backward
-    alternating, then the remaining backwards; micro-batches in increasing order."""
+    """Per stage s: min(p-s-1, m) forwards (warm-up), then one forward and one backward
+    alternating (steady state), then the backwards left (cool-down); micro-batches in
+    increasing order."""
     _check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     table = []

@@ -36,13 +36,28 @@ def _colour(mb: int):
     return matplotlib.colormaps["tab20"](((2 * mb) % 20 + (mb // 10) % 2) / 20)
 
 
+def gantt_key():
+    """Legend handles and labels for a Gantt chart: what solid, hatched and grey mean
+    (the colour and the label in a box name its micro-batch)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor="0.85", edgecolor="0.2", linewidth=0.5),
+               Patch(facecolor="0.85", edgecolor="0.2", linewidth=0.5, hatch="///"),
+               Line2D([], [], color="0.55", linewidth=3)]
+    labels = ["forward Fi (colour: micro-batch i)", "backward Bi",
+              "transfer group (waiting for the peer included)"]
+    return handles, labels
+
+
 def plot_gantt(events: list[dict], ax=None, title: str = "", unit: str = "ms",
-               num_stages: int | None = None):
+               num_stages: int | None = None, key: bool = True):
     """A Gantt chart of ``events`` on ``ax`` (a new figure when None). ``unit``: "ms"
     shows times in milliseconds from the first forward; "" leaves them as they are
     (ideal time units). The title gets the idle fraction and each stage's peak of live
-    micro-batches. Transfers before the first forward or after the last backward (a
-    stage waiting for its first input, or for the tied gradient) are cut off."""
+    micro-batches; ``key`` puts :func:`gantt_key` under the axes. Transfers before the
+    first forward or after the last backward (a stage waiting for its first input, or
+    for the tied gradient) are cut off."""
     fig, ax = _figure(ax, (9, 2.8))
     work = compute_events(events)
     p = num_stages or 1 + max(e["stage"] for e in work)
@@ -73,6 +88,9 @@ def plot_gantt(events: list[dict], ax=None, title: str = "", unit: str = "ms",
     ax.set_title(f"{title}{': ' if title else ''}idle {idle_fraction(work, p):.1%}{held}",
                  fontsize=9)
     ax.grid(alpha=0.25, axis="x")
+    if key:
+        ax.legend(*gantt_key(), fontsize=7, ncol=3, loc="upper center",
+                  bbox_to_anchor=(0.5, -0.3), frameon=False)
     return fig
 
 
@@ -91,7 +109,8 @@ def plot_live(events: list[dict], ax=None, unit: str = "ms", title: str = ""):
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_title(title or "activations held", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=4)
+    # beside the axes: GPipe's curves fill them from edge to edge
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return fig
 
 
@@ -104,10 +123,15 @@ def compare_figure(panels: dict[str, tuple[list[dict], str]], columns: int = 2):
     fig, axes = plt.subplots(rows, columns, figsize=(6.2 * columns, max(heights) * rows),
                              squeeze=False)
     for ax, (title, (events, unit)) in zip(axes.flat, panels.items()):
-        plot_gantt(events, ax=ax, title=title, unit=unit)
+        plot_gantt(events, ax=ax, title=title, unit=unit, key=False)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
+    # one key for all panels, in a strip added under them
+    height = fig.get_figheight()
+    fig.set_figheight(height + 0.35)
+    fig.subplots_adjust(bottom=1 - (1 - fig.subplotpars.bottom) * height / (height + 0.35))
+    fig.legend(*gantt_key(), fontsize=8, ncol=3, loc="lower center", frameon=False)
     plt.close(fig)
     return fig
 
@@ -122,9 +146,8 @@ def plot_bubble(rows: list[dict], title: str = "", ax=None):
         ax.plot([r["m"] for r in mine], [100 * r["idle"] for r in mine], "o-", ms=4, label=label)
     ms = np.geomspace(min(r["m"] for r in rows), max(r["m"] for r in rows), 100)
     for p in sorted({r["p"] for r in rows}):
-        ax.plot(ms, 100 * (p - 1) / (ms + p - 1), "k--", lw=1, alpha=0.6)
-        ax.text(ms[-1], 100 * (p - 1) / (ms[-1] + p - 1), f" (p-1)/(m+p-1), p={p}",
-                fontsize=7, va="center")
+        ax.plot(ms, 100 * (p - 1) / (ms + p - 1), "--", color="0.3", lw=1,
+                label=f"formula (p-1)/(m+p-1), p={p}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["m"] for r in rows}), [str(m) for m in sorted({r["m"] for r in rows})])
     ax.minorticks_off()

@@ -16,12 +16,15 @@ def _owners(n: int, size: int) -> np.ndarray:
 
 def plot_shards(d_model: int, n_head: int, size: int, title: str = ""):
     """Which rank holds each row (output feature) or column (input feature) of one
-    block's weights, as PyTorch stores them (``weight`` is out × in)."""
+    block's weights, as PyTorch stores them (``weight`` is out × in). The second panel is
+    what a plain ``tensor_split`` of the fused qkv rows would give: from 2 ranks on, it
+    cuts the q, k, v stack where no rank holds all three of any head."""
     hd, per_rank = d_model // n_head, n_head // size
     by_heads = np.tile((np.arange(d_model) // hd) // per_rank, 3)   # q, k, v rows of each head
     panels = [
-        ("attn.qkv, split by heads\n(column-parallel)", by_heads[:, None], "rows"),
-        ("attn.qkv, a plain slice\n(wrong: rank 0 gets the queries)", _owners(3 * d_model, size)[:, None], "rows"),
+        ("attn.qkv, rows grouped\nby heads (column-parallel)", by_heads[:, None], "rows"),
+        ("attn.qkv, plain tensor_split\n(wrong: no rank gets\nq, k and v of any head)",
+         _owners(3 * d_model, size)[:, None], "rows"),
         ("attn.proj (row-parallel)", (np.arange(d_model) // hd // per_rank)[None, :], "cols"),
         ("mlp.up (column-parallel)", _owners(4 * d_model, size)[:, None], "rows"),
         ("mlp.down (row-parallel)", _owners(4 * d_model, size)[None, :], "cols"),
@@ -59,13 +62,16 @@ def plot_traffic(sizes, formula_bytes, measured_bytes, flops_per_rank, title: st
     to its value at 2 ranks: the compute shrinks as 1/t, the traffic does not."""
     sizes = list(sizes)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(sizes, formula_bytes, "-", lw=2, label="8·b·s·h·(t−1)/t elements × bytes each")
-    known = [(t, m) for t, m in zip(sizes, measured_bytes) if m is not None]
+    power = int(np.log2(max(max(formula_bytes), 1)) // 10)       # KiB, MiB, ... on the axis
+    unit, name = 1024 ** power, ["bytes", "KiB", "MiB", "GiB", "TiB"][power]
+    left.plot(sizes, np.asarray(formula_bytes) / unit, "-", lw=2,
+              label="8·b·s·h·(t−1)/t elements × bytes each")
+    known = [(t, m / unit) for t, m in zip(sizes, measured_bytes) if m is not None]
     if known:
         left.plot(*zip(*known), "o", ms=8, label="measured (CommLog bus bytes)")
     left.set_xlabel("tensor-parallel size t")
-    left.set_ylabel("bytes per rank per layer")
-    left.set_title("traffic per layer (forward + backward)", fontsize=10)
+    left.set_ylabel(f"bus {name} per rank and layer")
+    left.set_title("traffic per rank and layer (forward + backward)", fontsize=10)
     left.grid(alpha=0.3)
     left.legend(fontsize=8)
     i = sizes.index(2) if 2 in sizes else 0
@@ -73,7 +79,8 @@ def plot_traffic(sizes, formula_bytes, measured_bytes, flops_per_rank, title: st
     right.plot(sizes, np.asarray(flops_per_rank) / flops_per_rank[i], "s-", label="FLOPs per rank")
     right.set_xlabel("tensor-parallel size t")
     right.set_ylabel(f"relative to t={sizes[i]}")
-    right.set_title("per rank: compute shrinks, traffic does not", fontsize=10)
+    right.set_title(f"per rank: FLOPs fall as 1/t, traffic rises\n(toward {sizes[i] / (sizes[i] - 1):.3g}x "
+                    f"its t={sizes[i]} value, as (t−1)/t → 1)", fontsize=10)
     right.grid(alpha=0.3)
     right.legend(fontsize=8)
     if title:

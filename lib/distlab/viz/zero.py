@@ -139,7 +139,7 @@ def plot_coverage(rows: dict[str, np.ndarray], title: str = ""):
 
 def calculator_table(num_params: float, world_size: int, k: float = 12) -> list[tuple]:
     """(stage, formula, bytes per GPU) of data parallelism and the three stages."""
-    formulas = {0: f"(4+K)Ψ", 1: "4Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(4+K)Ψ/N"}
+    formulas = {0: "(4+K)Ψ", 1: "4Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(4+K)Ψ/N"}
     return [(STAGE_NAMES[s], formulas[s], zero_bytes(num_params, world_size, s, k))
             for s in STAGES]
 
@@ -223,12 +223,13 @@ class MemoryCalculator:
 
 def plot_gpu_figures(results: list[dict]):
     """The figures of ``python -m distlab.zero_bench`` (one dict per rank): the kernel's
-    bandwidth, memory per rank and strategy against the accounting, ZeRO-3 against
-    FSDP2."""
+    bandwidth; per rank and strategy, model states, activations and the optimizer step's
+    buffers against the accounting, and the peak; ZeRO-3 against FSDP2 with each
+    AdamW."""
     import matplotlib.pyplot as plt
 
-    fig, (k_ax, m_ax, s_ax) = plt.subplots(1, 3, figsize=(15, 4.2),
-                                           gridspec_kw={"width_ratios": [1, 2, 1]})
+    fig, (k_ax, m_ax, s_ax) = plt.subplots(1, 3, figsize=(16, 4.6),
+                                           gridspec_kw={"width_ratios": [1, 2, 1.3]})
     kernel = results[0].get("kernel", {})
     if "tb_per_s" in kernel:
         names = list(kernel["tb_per_s"])
@@ -242,29 +243,55 @@ def plot_gpu_figures(results: list[dict]):
                   va="center", transform=k_ax.transAxes)
     memory = [r.get("memory", {}) for r in results]
     if memory and "activations" in memory[0]:
+        big = memory[0]["data parallel"]["accounting"]["total"] > 1e7
+        scale, unit = (1e9, "GB") if big else (1e3, "kB")
         strategies = [s for s in memory[0] if isinstance(memory[0][s], dict)]
         width = 0.8 / len(memory)
         for g, strategy in enumerate(strategies):
             for rank, m in enumerate(memory):
+                s = m[strategy]
                 x = g + (rank - (len(memory) - 1) / 2) * width
-                m_ax.bar(x, m[strategy]["peak_minus_activations"] / 1e9, width * 0.9,
-                         color="tab:blue", label="peak − activations" if g + rank == 0 else None)
-                m_ax.hlines(m[strategy]["accounting"]["total"] / 1e9, x - width / 2,
-                            x + width / 2, color="k", lw=2,
-                            label="distlab.memory.accounting" if g + rank == 0 else None)
+                first = g + rank == 0
+                m_ax.bar(x, s["states"] / scale, width * 0.9, color="tab:blue",
+                         label="model states, end of backward" if first else None)
+                m_ax.bar(x, memory[0]["activations"] / scale, width * 0.9,
+                         bottom=s["states"] / scale, color="tab:gray", alpha=0.5,
+                         label="activations (measured apart)" if first else None)
+                m_ax.hlines((s["states"] + s["step buffers"]) / scale, x - width / 2,
+                            x + width / 2, color="tab:green", lw=2, linestyles="dashed",
+                            label="states + optimizer step buffers" if first else None)
+                m_ax.hlines(s["accounting"]["total"] / scale, x - width / 2, x + width / 2,
+                            color="k", lw=2, label="distlab.memory.accounting" if first else None)
+                m_ax.plot(x, s["peak"] / scale, "v", color="tab:red", ms=6,
+                          label="peak (above the baseline)" if first else None)
         m_ax.set_xticks(range(len(strategies)), strategies)
-        m_ax.set_ylabel("GB per rank")
-        m_ax.set_title(f"bf16 + fp32 AdamW, {len(memory)} ranks (activations "
-                       f"{memory[0]['activations'] / 1e9:.2f} GB, measured apart)", fontsize=10)
-        m_ax.legend(fontsize=8)
+        m_ax.set_ylim(0, 1.4 * max(m[s]["peak"] for m in memory for s in strategies) / scale)
+        m_ax.set_ylabel(f"{unit} per rank")
+        m_ax.set_title(f"bf16 + fp32 AdamW, {len(memory)} ranks: what each rank holds",
+                       fontsize=10)
+        m_ax.legend(fontsize=7, ncol=2, loc="upper center")
     speed = results[0].get("speed", {})
-    if "best" in speed:
-        bars = s_ax.bar(list(speed["best"]), [1e3 * v for v in speed["best"].values()],
-                        color=["tab:green", "tab:gray"])
+    if any("step" in r for runs in speed.get("runs", {}).values() for r in runs.values()):
+        labels, steps, optims = [], [], []
+        for opt_name, runs in speed["runs"].items():
+            for name, r in runs.items():
+                if "error" in r:
+                    continue
+                labels.append(f"{name}\nAdamW {opt_name}")
+                steps.append(1e3 * r["step"])
+                optims.append(1e3 * r["optimizer"])
+        colors = ["tab:green" if lab.startswith("ZeRO") else "tab:gray" for lab in labels]
+        bars = s_ax.bar(range(len(labels)), steps, color=colors)
+        s_ax.bar(range(len(labels)), optims, color="none", edgecolor="k", hatch="//",
+                 label="optimizer step (timed apart)")
         s_ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        s_ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        s_ax.set_ylim(0, 1.3 * max(steps))
         s_ax.set_ylabel("ms per step")
-        s_ax.set_title(f"{speed['tokens_per_rank']} tokens per rank: ratio "
-                       f"{speed['ZeRO-3 / FSDP2']:.2f}", fontsize=10)
+        s_ax.set_title(f"{speed['tokens_per_rank']} tokens per rank: ZeRO-3 / FSDP2 "
+                       + ", ".join(f"{r:.2f}" for r in speed["ZeRO-3 / FSDP2"].values()),
+                       fontsize=10)
+        s_ax.legend(fontsize=7, loc="upper center")
     for ax in (k_ax, m_ax, s_ax):
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{results[0]['device']}, {results[0]['world_size']} ranks")

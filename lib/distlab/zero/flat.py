@@ -85,14 +85,18 @@ class Layout:
 
 
 class Pending:
-    """An issued collective: :meth:`wait` waits for it and returns its finished result."""
+    """An issued collective: :meth:`wait` waits for it and returns its finished result.
+    The work handle is dropped before the result is finished, so the collective's input
+    buffer (which the handle keeps alive) is freed before ``finish`` allocates."""
 
     def __init__(self, work, finish):
         self.work, self.finish = work, finish
 
     def wait(self):
-        if self.work is not None:
-            self.work.wait()
+        work, self.work = self.work, None
+        if work is not None:
+            work.wait()
+        del work
         return self.finish()
 
 
@@ -255,15 +259,17 @@ class FlatParams:
                     piece.grad = p.grad.reshape(-1)[lo:hi].to(self.master_dtype, copy=True)
 
     def _add_to_pieces(self, shard: torch.Tensor, had: list[bool]) -> None:
+        """Add this rank's reduced shard (compute dtype) to the pieces' gradients (master
+        dtype): a new gradient is a widened copy, an existing one adds in place."""
         with torch.no_grad():
             for i, (piece, ok) in enumerate(zip(self.pieces, had)):
                 if not ok:
                     continue
                 lo, hi = self.ranges[i]
                 at = self.offsets[i] + lo - self.start
-                g = shard[at:at + hi - lo].to(self.master_dtype, copy=True)
+                g = shard[at:at + hi - lo]
                 if piece.grad is None:
-                    piece.grad = g
+                    piece.grad = g.to(self.master_dtype, copy=True)
                 else:
                     piece.grad.add_(g)
 

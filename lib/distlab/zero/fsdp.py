@@ -27,8 +27,11 @@ Per training step and unit, with hooks on the unmodified model:
   gradients into this rank's shard, in fp32, and drop the full gradients.
 
 The next unit's all-gather is issued asynchronously while this one computes (forward
-and backward), and reduce-scatters run asynchronously until the end of backward. The
-all-gather of updated weights happens at the next forward, after the optimizer step.
+and backward), and each reduce-scatter runs while the next unit's backward computes:
+it is waited for (its shard added to the pieces' gradients, its buffers freed) when the
+next one is issued, as FSDP2 does, so at most two units' gradient buffers are alive at
+once, not every unit's until the end of backward. The all-gather of updated weights
+happens at the next forward, after the optimizer step.
 Traffic per step and rank: stage 2 an all-gather and a reduce-scatter of Ψ (2Ψ, like
 data parallelism); stage 3 one more all-gather (3Ψ).
 
@@ -41,6 +44,7 @@ accumulate: each backward adds its reduce-scattered shard to the pieces' gradien
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -104,14 +108,16 @@ class FullyShardedDataParallel(nn.Module):
         with torch.no_grad():
             for b in module.buffers():
                 dist.broadcast(b, src=source_rank(group), group=group)
-        for unit in self._units:
+        me = weakref.ref(self)   # the model's hooks must not keep a dropped wrapper alive
+        for i, unit in enumerate(self._units):
             if unit.module is not module:
-                unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
-                unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
+                unit.module.register_forward_pre_hook(
+                    functools.partial(_hook, me, "_pre_forward", i))
+                unit.module.register_forward_hook(functools.partial(_hook, me, "_post_forward", i))
             for p in unit.flat.params:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(
-                        functools.partial(self._grad_ready, unit))
+                        functools.partial(_hook, me, "_grad_ready", i))
             if shard_parameters:
                 self._free(unit)
 
@@ -215,11 +221,13 @@ class FullyShardedDataParallel(nn.Module):
         if unit in self._reduced:
             return
         self._reduced.add(unit)
-        self._reducing.append(unit.flat.reduce_grads(async_op=True))
+        pending = unit.flat.reduce_grads(async_op=True)
         for p in unit.flat.params:
             p.grad = None
         if self.shard_parameters:
             self._free(unit)
+        self.finish_gradient_synchronization()    # the previous unit's, long done by now
+        self._reducing.append(pending)
 
     def _end_backward(self) -> None:
         """Runs once at the end of each backward: reduce the units whose gradients were
@@ -278,6 +286,17 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._units:
             full.update(unit.flat.gather_master())
         return {name: full[name] for name, _ in self.named_parameters()}
+
+
+def _hook(wrapper_ref, method: str, index: int, *args):
+    """A hook on the model calls ``method`` of the wrapper on its ``index``-th unit, while
+    the wrapper lives: hooks that held the wrapper or its units would keep every flat
+    buffer alive as long as the model (through the parameters' C++ hook lists, which
+    the garbage collector cannot see, not even after both are dropped)."""
+    wrapper = wrapper_ref()
+    if wrapper is not None:
+        return getattr(wrapper, method)(wrapper._units[index], *args)
+    return None
 
 
 def _tensors(output):
