@@ -20,6 +20,10 @@ endif
 DEPS_INDEX ?=
 LAB ?=
 PYTEST_ARGS ?=
+# make test spreads the test files over this many worker processes (pytest-xdist; each
+# file stays on one worker: a notebook's cells share a kernel, a module's fixtures are
+# built once). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.distlab-installed
 EXTRAS_SPEC := .$(EXTRAS)
 
@@ -47,7 +51,7 @@ lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/
 	$(VENV)/bin/jupyter lab --notebook-dir=labs
 
 test: $(STAMP) ## run every test: library, autograder, notebooks (nbval), browser when available
-	$(PY) -m pytest -q -rs --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
 
 test-browser: $(STAMP) ## only the browser test: JupyterLab in headless Chromium
 	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)

@@ -15,25 +15,6 @@ import pytest
 from distlab import grading, notebook
 
 ROOT = Path(__file__).resolve().parents[1]
-SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
-
-
-@pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
-def test_solutions_score_full_marks(path):
-    results = grading.grade(path)
-    assert results, f"{path.name} has no exercises"
-    for r in results:
-        assert r.verdict == "pass" and r.points == r.max_points > 0, (
-            f"{path.name}: {r.exercise} scored {r.points}/{r.max_points} ({r.verdict}): {r.message}")
-
-
-def test_untouched_labs_score_zero_without_running_them():
-    start = time.monotonic()
-    for path in sorted((ROOT / "labs").glob("*.ipynb")):
-        for r in grading.grade(path):
-            assert (r.points, r.verdict) == (0, "not attempted"), (path.name, r)
-            assert r.max_points > 0, f"{path.name}: {r.exercise} has no runnable tests"
-    assert time.monotonic() - start < 600, "counting the tests must not hang"
 
 
 def _lab00_with(tmp_path, body: str) -> Path:
