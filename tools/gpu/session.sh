@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU runs of labs 01-08 on two NVLink GPUs, in parts that each fit a 10-minute
-# call:  bash tools/gpu/session.sh A|B|C  (from the repository root).
+# call:  bash tools/gpu/session.sh A|B|C|D  (from the repository root).
 #   A: issue10.sh (bench against nccl-tests, the ring), issue11.sh (ZeRO), pp_bench (lab 07)
 #   B: issue15.sh (overlap), issue16.sh (TP), the gpu tiers of every exercise, nbval 01-03
 #   C: the re-runs after fixes: issue10.sh (eager, 2 ranks), pp_bench and its tests, issue16.sh,
 #      issue11.sh (the 8 x 1024 bench and the tests)
+#   D: after the lab polish: the gpu tiers of every exercise, trace and overlap, pp_bench
+#      with its figures, nbval of solutions 04-08 (about 6 minutes)
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A or B}
+part=${1:?A, B, C or D}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -31,6 +33,13 @@ elif [ "$part" = C ]; then
   run 50 pp_tests python3 -m pytest -q -rfEs -p no:cacheprovider -m multigpu tests/test_pp.py
   run 130 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
   run 120 issue11 env OUT="$RESULTS/issue11" SMALL=0 bash tools/gpu/issue11.sh
+elif [ "$part" = D ]; then
+  run 120 gpu_tiers python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
+    tests/exercises tests/test_trace.py tests/test_overlap.py
+  run 60 pp_bench python3 -m distlab.pp_bench --out "$RESULTS/pp" --timeout 50
+  run 200 nbval_04_08 python3 -m pytest -q -rfEs -p no:cacheprovider --nbval --nbval-current-env \
+    solutions/04_data_parallel.ipynb solutions/05_zero.ipynb solutions/06_tensor_parallel.ipynb \
+    solutions/07_pipeline_parallel.ipynb solutions/08_overlap.ipynb
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
