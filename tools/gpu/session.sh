@@ -7,10 +7,12 @@
 #      issue11.sh (the 8 x 1024 bench and the tests)
 #   D: after the lab polish: the gpu tiers of every exercise, trace and overlap, pp_bench
 #      with its figures, nbval of solutions 04-08 (about 6 minutes)
+#   E: the ring at 64-256 MiB with NCCL's default point-to-point channels and with 32, then
+#      nbval of solutions 05-08, one notebook per step (about 8 minutes)
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A, B, C or D}
+part=${1:?A, B, C, D or E}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -40,6 +42,15 @@ elif [ "$part" = D ]; then
   run 200 nbval_04_08 python3 -m pytest -q -rfEs -p no:cacheprovider --nbval --nbval-current-env \
     solutions/04_data_parallel.ipynb solutions/05_zero.ipynb solutions/06_tensor_parallel.ipynb \
     solutions/07_pipeline_parallel.ipynb solutions/08_overlap.ipynb
+elif [ "$part" = E ]; then
+  ring="python3 -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 256M -f 2 --iters 40"
+  run 50 ring_default $ring --out "$RESULTS/ring_default"
+  run 50 ring_p2p32 env NCCL_MIN_P2P_NCHANNELS=32 NCCL_MAX_P2P_NCHANNELS=32 \
+    NCCL_NCHANNELS_PER_PEER=32 $ring --out "$RESULTS/ring_p2p32"
+  for nb in 05_zero:110 06_tensor_parallel:90 07_pipeline_parallel:110 08_overlap:170; do
+    run "${nb#*:}" "nbval_${nb%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
+      --nbval-current-env "solutions/${nb%:*}.ipynb"
+  done
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
