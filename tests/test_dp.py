@@ -141,6 +141,40 @@ def all_cases():
                 wrapped.finish_gradient_synchronization()
                 steps.append(grads_of(model))
         out[f"branchy {set_to_none}"] = steps, [e.nbytes for e in log.select("all_reduce")]
+    # 10b. the same through the wrapper's forward (gradients given as zeroed bucket views)
+    model = Branchy()
+    wrapped = DataParallel(model, None)
+    steps = []
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        branchy_pass(model, wrapped, rank, step, (rank + step) % 2 == 0)
+        wrapped.finish_gradient_synchronization()
+        steps.append(grads_of(model))
+    out["branchy wrapped"] = steps
+    # 10c. the middle layer used only in a no_sync pass: its accumulated gradient counts
+    model = Branchy()
+    wrapped = DataParallel(model, None)
+    with wrapped.no_sync():
+        branchy_pass(model, wrapped, rank, 0, True)
+    branchy_pass(model, wrapped, rank, 1, False)
+    wrapped.finish_gradient_synchronization()
+    out["accumulate then skip"] = grads_of(model)
+    # 10d. training through the wrapper: forward makes every gradient a view of its
+    # bucket, and backward adds into it in place (no copy, no new gradient tensor)
+    model = make_model(seed=rank, unused=False)
+    wrapped = DataParallel(model, 0.002)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        wrapped(LANG_X)
+    untouched = all(p.grad is None for p in model.parameters())
+    wrapped(LANG_X)
+    views = [(p.grad.data_ptr(), b.ptrs[j], bool(p.grad.any()))
+             for b in wrapped.buckets for j, p in enumerate(b.params)]
+    losses = train(wrapped, wrapped.finish_gradient_synchronization, rank, world)
+    out["through forward"] = (untouched, views, global_losses(losses, world),
+                              params(model), [b.ptrs[j] == p.grad.data_ptr()
+                                              for b in wrapped.buckets
+                                              for j, p in enumerate(b.params)])
     # 11. a second backward without finishing the first is named
     model = make_model(unused=False)
     wrapped = DataParallel(model, 0.002)
@@ -160,6 +194,16 @@ def all_cases():
             wrapped.finish_gradient_synchronization()
         out["outsider"] = before, params(model), grads_of(model), log.count()
     return out
+
+
+LANG_X = dp_cases.LANG.batch(0, dp_cases.BATCH, dp_cases.SEQ, 0, 1)[0]
+
+
+def branchy_pass(model, call, rank, step, use_mid):
+    """One backward of ``Branchy`` through ``call`` (the model or its wrapper)."""
+    torch.manual_seed(100 * step + rank)
+    model.use_mid = use_mid
+    call(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum().backward()
 
 
 _results = {}
@@ -348,6 +392,54 @@ def test_a_layer_used_on_some_ranks_only(world, set_to_none):
                     continue
                 torch.testing.assert_close(grads[step][name], want,
                                            msg=f"rank {rank} of {world}, step {step}: {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_layer_used_on_some_ranks_only_through_the_wrapper(world):
+    """The same through ``DataParallel.forward``, which gives each gradient a zeroed view
+    of its bucket: a layer no rank used still ends with ``.grad`` None."""
+    out = results(world)
+    for step in range(2):
+        means = branchy_means(world, step)
+        nobody = world == 1 and step == 1
+        for rank, r in enumerate(out):
+            grads = r["branchy wrapped"][step]
+            for name, want in means.items():
+                if name.startswith("mid.") and nobody:
+                    assert name not in grads, f"{name} was used by no rank: .grad stays None"
+                    continue
+                torch.testing.assert_close(grads[name], want,
+                                           msg=f"rank {rank} of {world}, step {step}: {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_gradient_accumulated_in_no_sync_only_is_averaged(world):
+    local = []
+    for rank in range(world):
+        model = Branchy()
+        branchy_pass(model, model, rank, 0, True)
+        branchy_pass(model, model, rank, 1, False)
+        local.append(grads_of(model))
+    for rank, r in enumerate(results(world)):
+        grads = r["accumulate then skip"]
+        assert grads.keys() == local[0].keys(), f"rank {rank}: {sorted(grads)}"
+        for name, g in grads.items():
+            want = torch.stack([lg[name] for lg in local]).mean(0)
+            torch.testing.assert_close(g, want, msg=f"rank {rank} of {world}: {name}")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_forward_gives_gradients_as_bucket_views(world):
+    """After forward (with autograd on) every ``.grad`` is a zeroed view of its bucket,
+    backward adds into it in place, and training through the wrapper follows one process."""
+    ref_losses, ref_params, _ = reference()
+    for rank, r in enumerate(results(world)):
+        untouched, views, losses, final, still_views = r["through forward"]
+        assert untouched, f"rank {rank}: a forward under no_grad gave gradients"
+        for got, want, nonzero in views:
+            assert got == want and not nonzero, f"rank {rank}: not a zeroed bucket view"
+        assert all(still_views), f"rank {rank}: backward replaced a bucket view"
+        torch.testing.assert_close(losses, ref_losses[:len(losses)], msg=f"rank {rank}")
 
 
 def test_a_second_backward_before_finishing_is_named():

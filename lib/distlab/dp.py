@@ -175,13 +175,30 @@ class _Bucket:
                                 device=params[0].device)
         pieces = self.flat.split(sizes + [len(params)])
         self.views = [piece.view_as(p) for piece, p in zip(pieces, params)]
+        self.ptrs = [v.data_ptr() for v in self.views]
+        self.grads = self.flat[:sum(sizes)]   # the gradients' part, zeroed in one kernel
         self.flags = pieces[-1]
         self.ready: set[int] = set()   # positions whose gradient this backward produced
+        self.fresh: set[int] = set()   # positions given a zeroed view before this backward
         self.handle = None             # the all-reduce in flight
 
     @property
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    def attach(self) -> None:
+        """Give each parameter whose ``.grad`` is None its zeroed view, so that autograd
+        adds the coming gradient into the bucket in place (no copy per parameter)."""
+        none = [j for j, p in enumerate(self.params) if p.grad is None]
+        if not none:
+            return
+        if len(none) == len(self.params):
+            self.grads.zero_()
+        for j in none:
+            if len(none) < len(self.params):
+                self.views[j].zero_()
+            self.params[j].grad = self.views[j]
+        self.fresh.update(none)
 
 
 class DataParallel(_Replicated):
@@ -192,7 +209,9 @@ class DataParallel(_Replicated):
     - The parameters that need gradients are grouped into buckets by
       :func:`plan_buckets` (reverse parameter order, ``bucket_cap_mb`` MiB, ``None`` for
       one bucket per parameter). Each bucket is one flat buffer and the gradients become
-      views into it, so nothing is copied twice.
+      views into it: ``forward`` gives every parameter whose ``.grad`` is None its zeroed
+      view (one kernel per bucket), and autograd then adds the gradient into the bucket
+      in place, so backward copies nothing and the hooks stay cheap on the host.
     - A post-accumulate-grad hook on each parameter marks its gradient ready; when a
       bucket's last gradient is ready and every earlier bucket has been launched, its
       all-reduce is launched asynchronously. Buckets launch strictly in order, so every
@@ -234,29 +253,40 @@ class DataParallel(_Replicated):
         from distlab import overlap
 
         self.buckets = [_Bucket([params[i] for i in idx]) for idx in plan]
-        self._slot = {p: (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         self.channel = overlap.channel(channel, group, params[0].device if params else None)
         me = weakref.ref(self)
-        for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(
-                functools.partial(_grad_ready, me)))
+        for i, b in enumerate(self.buckets):  # hooks hold indices: dropping the wrapper
+            for j, p in enumerate(b.params):   # frees its buckets, even if the model lives
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_ready, me, i, j)))
         self._next = 0  # the next bucket to launch
 
-    def _on_grad(self, p: nn.Parameter) -> None:
+    def forward(self, *args, **kwargs):
+        if self.buckets and torch.is_grad_enabled():
+            for b in self.buckets:
+                b.attach()
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, bucket: _Bucket, j: int, p: nn.Parameter) -> None:
+        """The hook: parameter ``j`` of ``bucket`` has its gradient for this backward.
+        Kept lean: it runs once per parameter per step, on the host's critical path."""
         if not self.require_sync:
+            bucket.fresh.discard(j)  # a no_sync backward wrote it: a gradient, if not this one's
             return
-        if p.grad.is_sparse:
-            raise ValueError("DataParallel handles dense gradients only; build embeddings "
-                             "with sparse=False")
-        bucket, j = self._slot[p]
         if bucket.handle is not None:
             raise RuntimeError(
                 "a gradient arrived for a bucket that was already all-reduced this step: call "
                 "finish_gradient_synchronization() after every backward, and run the extra "
                 "backward passes of gradient accumulation inside no_sync()")
-        _into_bucket(p, bucket.views[j])
+        grad = p.grad
+        if grad.is_sparse:
+            raise ValueError("DataParallel handles dense gradients only; build embeddings "
+                             "with sparse=False")
+        if grad.data_ptr() != bucket.ptrs[j]:  # autograd made a new tensor: copy it in
+            _into_bucket(p, bucket.views[j])
         bucket.ready.add(j)
-        self._launch(flush=False)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(flush=False)
 
     def _launch(self, flush: bool) -> None:
         """Launch, in order, every bucket whose gradients are all ready (all of the
@@ -269,10 +299,10 @@ class DataParallel(_Replicated):
             for j, p in enumerate(bucket.params):
                 if j in bucket.ready:
                     continue
-                if p.grad is None:        # no gradient here this step: contribute zeros
+                if _no_gradient(bucket, j):  # none here this step: contribute zeros
                     bucket.views[j].zero_()
                     bucket.flags[j] = 0
-                else:                     # accumulated earlier (no_sync), not by this backward
+                else:                        # accumulated earlier (no_sync), not by this backward
                     _into_bucket(p, bucket.views[j])
             bucket.handle = self.channel.launch(bucket.flat)
             self._next += 1
@@ -283,7 +313,7 @@ class DataParallel(_Replicated):
         if not self.require_sync or not self.buckets:
             return
         missing = [(b, j) for b in self.buckets for j in range(len(b.params))
-                   if j not in b.ready and b.params[j].grad is None]
+                   if j not in b.ready and _no_gradient(b, j)]
         self._launch(flush=True)
         self.channel.wait([b.handle for b in self.buckets])
         if missing:  # did any rank produce these gradients? (one host read, rare steps)
@@ -292,6 +322,7 @@ class DataParallel(_Replicated):
                 b.params[j].grad = b.views[j] if u else None
         for b in self.buckets:
             b.ready.clear()
+            b.fresh.clear()
             b.handle = None
         self._next = 0
 
@@ -300,10 +331,17 @@ class DataParallel(_Replicated):
         return [b.nbytes for b in self.buckets]
 
 
-def _grad_ready(wrapper_ref, p) -> None:
+def _grad_ready(wrapper_ref, i, j, p) -> None:
     wrapper = wrapper_ref()
     if wrapper is not None:   # a wrapper that was dropped leaves its module alone
-        wrapper._on_grad(p)
+        wrapper._on_grad(wrapper.buckets[i], j, p)
+
+
+def _no_gradient(bucket: _Bucket, j: int) -> bool:
+    """Whether parameter ``j`` of ``bucket`` has no gradient on this rank this step:
+    ``.grad`` None, or still the zeroed view that forward gave it."""
+    grad = bucket.params[j].grad
+    return grad is None or (j in bucket.fresh and grad.data_ptr() == bucket.ptrs[j])
 
 
 def _into_bucket(p: nn.Parameter, view: torch.Tensor) -> None:
