@@ -8,6 +8,7 @@
 #      fraction from a profiler trace (~2 min);
 #   3. the same over TCP sockets, 4x1024 tokens per GPU (~1 min).
 # Everything lands in $OUT (default /tmp/issue15): *.txt logs, JSON, PNG, Chrome traces.
+# ROUNDS and ITERS (default 3 and 3) set the bench's rounds and timed steps per round.
 set -u
 OUT=${OUT:-/tmp/issue15}
 PY=${PY:-python}
@@ -21,10 +22,11 @@ timeout 300 $PY -m pytest -q -m "gpu or multigpu" tests/test_dp.py tests/test_ov
   tests/test_trace.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest.txt"
 
 step "overlap_bench: NVLink and host memory"
-timeout 300 $PY -m distlab.overlap_bench --out "$OUT/bench" --links nvlink,host 2>&1 \
+BENCH=(--rounds "${ROUNDS:-3}" --iters "${ITERS:-3}")
+timeout 300 $PY -m distlab.overlap_bench --out "$OUT/bench" --links nvlink,host "${BENCH[@]}" 2>&1 \
   | grep -v 'USDT' | tee "$OUT/bench-nvlink-host.txt"
 
 step "overlap_bench: TCP sockets"
-timeout 240 $PY -m distlab.overlap_bench --out "$OUT/bench-socket" --links socket 2>&1 \
+timeout 240 $PY -m distlab.overlap_bench --out "$OUT/bench-socket" --links socket "${BENCH[@]}" 2>&1 \
   | grep -v 'USDT' | tee "$OUT/bench-socket.txt"
 step "done"

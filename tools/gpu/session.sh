@@ -9,10 +9,12 @@
 #      with its figures, nbval of solutions 04-08 (about 6 minutes)
 #   E: the ring at 64-256 MiB with NCCL's default point-to-point channels and with 32, then
 #      nbval of solutions 05-08, one notebook per step (about 8 minutes)
+#   F: after the hooks' fix: issue15.sh with 7 rounds of 5 steps, then nbval of solutions 08,
+#      07 and 06 (about 8 minutes)
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A, B, C, D or E}
+part=${1:?A, B, C, D, E or F}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -48,6 +50,12 @@ elif [ "$part" = E ]; then
   run 50 ring_p2p32 env NCCL_MIN_P2P_NCHANNELS=32 NCCL_MAX_P2P_NCHANNELS=32 \
     NCCL_NCHANNELS_PER_PEER=32 $ring --out "$RESULTS/ring_p2p32"
   for nb in 05_zero:110 06_tensor_parallel:90 07_pipeline_parallel:110 08_overlap:170; do
+    run "${nb#*:}" "nbval_${nb%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
+      --nbval-current-env "solutions/${nb%:*}.ipynb"
+  done
+elif [ "$part" = F ]; then
+  run 300 issue15 env OUT="$RESULTS/issue15" ROUNDS=7 ITERS=5 bash tools/gpu/issue15.sh
+  for nb in 08_overlap:100 07_pipeline_parallel:100 06_tensor_parallel:200; do
     run "${nb#*:}" "nbval_${nb%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
       --nbval-current-env "solutions/${nb%:*}.ipynb"
   done
