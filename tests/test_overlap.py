@@ -120,17 +120,19 @@ def test_bench_rank_on_cpu_ranks(tmp_path):
     traces written by rank 0 only (no GPU kernels here, so nothing is 'hidden')."""
     out = launch.run(overlap_bench.bench_rank, 2, ["2x8"], list(overlap_bench.VARIANTS),
                      str(tmp_path), model="test", vocab_size=13, rounds=1, iters=1, warmup=0,
-                     busbw_bytes=4096, backend="gloo", timeout=120)
+                     busbw_bytes=4096, channel="handles", all_traces=True, backend="gloo",
+                     timeout=120)
     for r in out:
         assert r["busbw"] > 0
         shape = r["shapes"]["2x8"]
-        assert set(shape["seconds"]) == set(overlap_bench.VARIANTS)
-        assert all(t > 0 for t in shape["seconds"].values())
+        for kind in ("seconds", "host_seconds"):
+            assert set(shape[kind]) == set(overlap_bench.VARIANTS)
+            assert all(t > 0 for t in shape[kind].values())
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == sorted(f"trace_2x8_{v.replace(' ', '_')}_rank0.json.gz"
-                           for v in overlap_bench.VARIANTS)
+    assert names == sorted(f"trace_2x8_{v.replace(' ', '_')}_rank{r}.json.gz"
+                           for v in overlap_bench.VARIANTS for r in (0, 1))
     text = overlap_bench.table({"cpu": out})
-    assert "cpu" in text.splitlines()[1] and "2x8" in text
+    assert "cpu" in text.splitlines()[1] and "2x8" in text and "host:" in text
 
 
 def on_gpus(channel):
@@ -172,10 +174,11 @@ def test_overlap_bench_cli_on_gpus(tmp_path):
     traces."""
     assert overlap_bench.main(["--out", str(tmp_path), "--links", "nvlink", "--shapes", "2x64",
                                "--model", "tiny", "--vocab-size", "256", "--rounds", "1",
-                               "--iters", "1"]) == 0
+                               "--iters", "1", "--all-traces"]) == 0
     data = json.loads((tmp_path / "overlap_bench.json").read_text())
     r = data["results"]["nvlink"][0]["shapes"]["2x64"]
     assert set(r["seconds"]) == set(overlap_bench.VARIANTS)
     assert 0 <= r["hidden"]["bucketed"] <= 1
     assert (tmp_path / "timeline_nvlink.png").stat().st_size > 0
     assert (tmp_path / "trace_nvlink_2x64_bucketed.json.gz").exists()
+    assert (tmp_path / "trace_nvlink_2x64_bucketed_rank1.json.gz").exists()

@@ -137,9 +137,11 @@ def channel(kind: str = "auto", group=None, device: torch.device | None = None):
     return Handles(group)
 
 
-def wrap(module: nn.Module, variant: str, bucket_cap_mb: float | None = 25, group=None):
+def wrap(module: nn.Module, variant: str, bucket_cap_mb: float | None = 25, group=None,
+         channel: str = "auto"):
     """``(model, finish)``: ``module`` wrapped for ``variant`` (one of :data:`VARIANTS`),
-    and what to call between backward and the optimizer step.
+    and what to call between backward and the optimizer step. ``channel``: how
+    per-parameter and bucketed issue their all-reduces (:func:`channel`).
 
     naive: lab 04's one-shot all-reduce after backward; per-parameter: one asynchronous
     all-reduce per parameter from backward hooks; bucketed: :class:`DataParallel` with
@@ -148,9 +150,9 @@ def wrap(module: nn.Module, variant: str, bucket_cap_mb: float | None = 25, grou
     if variant == "naive":
         model = OneShotDataParallel(module, group=group)
     elif variant == "per-parameter":
-        model = DataParallel(module, None, group=group)
+        model = DataParallel(module, None, group=group, channel=channel)
     elif variant == "bucketed":
-        model = DataParallel(module, bucket_cap_mb, group=group)
+        model = DataParallel(module, bucket_cap_mb, group=group, channel=channel)
     elif variant == "torch DDP":
         device = next(module.parameters()).device
         model = nn.parallel.DistributedDataParallel(

@@ -21,7 +21,9 @@ For each link: the all-reduce bus bandwidth at 256 MiB, then the GPT of 98M para
 variants interleaved round after round (:func:`distlab.overlap.compare`), then one step
 of each under ``torch.profiler``. NCCL kernels are communication, every other kernel
 computation (:func:`distlab.trace.kernel_timeline`); "hidden" is the share of the NCCL
-kernels' time during which some compute kernel ran. Writes ``overlap_bench.json``, rank
+kernels' time during which some compute kernel ran. Beside each step time, the host's
+time to issue one step (:func:`host_seconds`): where the two are close the step is bound
+by the host, and Python hooks cost step time. Writes ``overlap_bench.json``, rank
 0's Chrome traces (``trace_<link>_<tokens>_<variant>.json.gz``, open them in
 https://ui.perfetto.dev) and a picture of one step per link drawn from those traces
 (``timeline_<link>.png``). NCCL_NVLS_ENABLE=0 is set (NVLink multicast stays off on
@@ -88,10 +90,13 @@ def link_busbw(nbytes: int = 256 << 20) -> float:
 
 def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
                vocab_size: int = 16384, rounds: int = 3, iters: int = 3, warmup: int = 2,
-               bucket_cap_mb: float = 25, busbw_bytes: int = 256 << 20) -> dict:
+               bucket_cap_mb: float = 25, busbw_bytes: int = 256 << 20,
+               channel: str = "auto", all_traces: bool = False) -> dict:
     """In each rank: the link's busbw, then for each batch shape the step time of each
-    variant and its hidden fraction from one profiled step. Rank 0 keeps its traces in
-    ``workdir``. Returns plain data."""
+    variant, the host's time to issue one step (:func:`host_seconds`) and the hidden
+    fraction from one profiled step. Rank 0 keeps its traces in ``workdir`` (every rank
+    with ``all_traces``). ``channel``: that of the bucketed variant
+    (:func:`distlab.overlap.channel`). Returns plain data."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -110,7 +115,7 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
         for variant in variants:
             torch.manual_seed(0)
             net = GPT(cfg).to(device)
-            wrapped, finish = overlap.wrap(net, variant, bucket_cap_mb)
+            wrapped, finish = overlap.wrap(net, variant, bucket_cap_mb, channel=channel)
             opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=device.type == "cuda")
 
             def step(wrapped=wrapped, finish=finish, opt=opt):
@@ -123,6 +128,7 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
                 opt.zero_grad(set_to_none=True)
             steps[variant] = step
         seconds = overlap.compare(steps, rounds=rounds, iters=iters, warmup=warmup)
+        host = {variant: host_seconds(step) for variant, step in steps.items()}
         hidden, comm = {}, {}
         for variant, step in steps.items():
             path = Path(workdir) / f"trace_{shape}_{variant.replace(' ', '_')}_rank{rank}.json.gz"
@@ -130,16 +136,40 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
             trace.profile(step, steps=1, warmup=1, path=path)
             kernels = trace.kernel_timeline(path, rank)
             hidden[variant], comm[variant] = kernels.hidden_fraction(), kernels.comm_seconds()
-            if rank != 0:
+            if rank != 0 and not all_traces:
                 path.unlink()
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        out["shapes"][shape] = {"seconds": seconds, "hidden": hidden, "comm_seconds": comm,
-                                "peak_gib": peak}
+        out["shapes"][shape] = {"seconds": seconds, "host_seconds": host, "hidden": hidden,
+                                "comm_seconds": comm, "peak_gib": peak}
         del steps
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     return out
+
+
+def host_seconds(step, repeats: int = 5) -> float:
+    """The host's time to issue one ``step`` (median of ``repeats``), each started on an
+    idle GPU after a barrier: where it is close to the step's time, the step is bound by
+    the host (Python, kernel launches), and faster GPU work would not shorten it."""
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from distlab import backend
+
+    sync = torch.cuda.synchronize if backend.device().type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(repeats):
+        sync()
+        dist.barrier()
+        sync()
+        begin = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - begin)
+    sync()
+    return statistics.median(times)
 
 
 def run_link(link: str, shapes, variants, world_size: int, workdir: Path, **kw) -> list[dict]:
@@ -152,9 +182,11 @@ def run_link(link: str, shapes, variants, world_size: int, workdir: Path, **kw) 
 
 
 def table(results: dict) -> str:
-    """The step times, their ratios to torch's DDP and the hidden fractions."""
+    """The step times, their ratios to torch's DDP, the hidden fractions (mean over
+    ranks) and the host's time to issue a step (the slowest rank's)."""
     lines = [f"{'link':7} {'busbw':>9} {'tokens':>8} {'naive':>9} {'bucketed':>9} {'DDP':>9} "
-             f"{'bkt/DDP':>8} {'naive/DDP':>9}  hidden: naive / bucketed / DDP"]
+             f"{'bkt/DDP':>8} {'naive/DDP':>9}  hidden: naive / bucketed / DDP  "
+             f"host: naive / bucketed / DDP"]
     for link, per_rank in results.items():
         r0 = per_rank[0]
         for shape, r in r0["shapes"].items():
@@ -164,9 +196,12 @@ def table(results: dict) -> str:
             ms = lambda v: f"{1e3 * s[v]:7.1f}ms" if v in s else f"{'-':>9}"  # noqa: E731
             ratio = lambda v: f"{s[v] / s['torch DDP']:.3f}" if v in s and "torch DDP" in s \
                 else "-"  # noqa: E731
+            host = [max(pr["shapes"][shape].get("host_seconds", {}).get(v, float("nan"))
+                        for pr in per_rank) for v in VARIANTS]
             lines.append(f"{link:7} {r0['busbw'] / 1e9:6.1f}GB/s {shape:>8} {ms('naive')} "
                          f"{ms('bucketed')} {ms('torch DDP')} {ratio('bucketed'):>8} "
-                         f"{ratio('naive'):>9}  " + " / ".join(f"{h:.0%}" for h in hidden))
+                         f"{ratio('naive'):>9}  " + " / ".join(f"{h:.0%}" for h in hidden)
+                         + "  " + " / ".join(f"{1e3 * h:.1f}ms" for h in host))
     return "\n".join(lines)
 
 
@@ -185,6 +220,8 @@ def main(argv=None) -> int:
 
     from distlab import backend
 
+    from distlab.overlap import CHANNELS
+
     p = argparse.ArgumentParser(prog="python -m distlab.overlap_bench",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,6 +233,11 @@ def main(argv=None) -> int:
                         "both on nvlink and host, 4x1024 over sockets, which are slow)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, of naive, per-parameter, bucketed, torch DDP")
+    p.add_argument("--channel", default="auto", choices=CHANNELS,
+                   help="how the bucketed variant issues its all-reduces (default: auto, the "
+                        "CUDA communication stream)")
+    p.add_argument("--all-traces", action="store_true",
+                   help="keep every rank's traces (trace_..._rankN.json.gz), not only rank 0's")
     p.add_argument("--world-size", type=int, default=None, help="default: every GPU")
     p.add_argument("--model", default="gpt-100m", help="a preset of distlab.model")
     p.add_argument("--vocab-size", type=int, default=16384)
@@ -221,9 +263,10 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"overlap-{link}-") as tmp:
             results[link] = run_link(link, shapes, variants, world, Path(tmp), model=args.model,
                                      vocab_size=args.vocab_size, rounds=args.rounds,
-                                     iters=args.iters)
+                                     iters=args.iters, channel=args.channel,
+                                     all_traces=args.all_traces)
             kept = {}
-            for f in Path(tmp).glob("trace_*_rank0.json.gz"):
+            for f in Path(tmp).glob("trace_*_rank*.json.gz"):
                 dst = args.out / f.name.replace("trace_", f"trace_{link}_").replace("_rank0", "")
                 shutil.copy(f, dst)
                 kept[f.name] = dst

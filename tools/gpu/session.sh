@@ -11,10 +11,13 @@
 #      nbval of solutions 05-08, one notebook per step (about 8 minutes)
 #   F: after the hooks' fix: issue15.sh with 7 rounds of 5 steps, then nbval of solutions 08,
 #      07 and 06 (about 8 minutes)
+#   G: where the bucketed step loses time at 4 x 1024 tokens: overlap_bench on NVLink with
+#      the host's time per step and every rank's traces, with the CUDA comm stream and with
+#      plain work handles; the ring bench, 64 MiB .. 1 GiB (about 4 minutes)
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A, B, C, D, E or F}
+part=${1:?A, B, C, D, E, F or G}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -59,6 +62,12 @@ elif [ "$part" = F ]; then
     run "${nb#*:}" "nbval_${nb%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
       --nbval-current-env "solutions/${nb%:*}.ipynb"
   done
+elif [ "$part" = G ]; then
+  ob="python3 -m distlab.overlap_bench --links nvlink --rounds 7 --iters 5 --all-traces"
+  run 150 overlap_stream $ob --shapes 4x1024,16x1024 --out "$RESULTS/overlap_stream"
+  run 100 overlap_handles $ob --shapes 4x1024 --channel handles --out "$RESULTS/overlap_handles"
+  run 90 ring_bench python3 -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
+    --out "$RESULTS/ring_bench"
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
