@@ -100,3 +100,24 @@ def test_groups_and_bus_bytes():
     # all-reduce of 400 B on 2 ranks puts 2(n-1)/n * 400 = 400 B on the wire, plus the send
     assert logs[0].bus_bytes() == pytest.approx(400 + 400)
     assert logs[2].bus_bytes() == pytest.approx(400)
+
+
+def _status_without_a_log():
+    from distlab import comm
+
+    t = torch.ones(4)
+    seen = []
+    for async_op in (False, True):
+        work = dist.all_reduce(t, async_op=async_op)
+        seen.append(comm.StatusBoard.read(comm._status.buffer))
+        if work is not None:
+            work.wait()
+    return seen
+
+
+def test_the_status_board_names_a_collective_without_any_log():
+    """With no CommLog active, a collective still says where the rank is (the launcher's
+    hang report reads it), through the short path that hooks on the hot path take."""
+    for seen in launch.run(_status_without_a_log, 2, backend="gloo"):
+        assert seen[0].startswith("after all_reduce(16 B float32) at "), seen
+        assert seen[1].startswith("after all_reduce(16 B float32) issued async at "), seen

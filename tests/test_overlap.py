@@ -140,7 +140,7 @@ def on_gpus(channel):
     device = backend.device()
     torch.manual_seed(0)
     net = GPT(CFG).double().to(device)
-    model = DataParallel(net, 0.002, channel=channel)   # auto: the CUDA comm stream
+    model = DataParallel(net, 0.002, channel=channel)   # auto: torch's NCCL stream
     for _ in range(2):
         net.zero_grad()
         loss_of(model, rank, device).backward()
@@ -149,7 +149,7 @@ def on_gpus(channel):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("channel", ["auto", "raw-nccl"])
+@pytest.mark.parametrize("channel", ["auto", "stream", "raw-nccl"])
 def test_channels_on_gpus(channel):
     """The CUDA communication stream and raw NCCL through cupy average like one process."""
     if channel == "raw-nccl":

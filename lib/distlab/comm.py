@@ -82,10 +82,14 @@ class CommEvent:
         return None if self.end is None else self.end - self.start
 
     def describe(self) -> str:
-        peer = "" if self.peer is None else (
-            f" {'to' if self.op in SENDS else 'from' if self.op in ('recv', 'irecv') else 'root'}"
-            f" {self.peer}")
-        return f"{self.op}({human_bytes(self.nbytes)}{' ' + self.dtype if self.dtype else ''}{peer})"
+        return _describe(self.op, self.nbytes, self.dtype, self.peer)
+
+
+def _describe(op: str, nbytes: int, dtype: str | None, peer: int | None) -> str:
+    """all_reduce(16.0 MiB float32), send(4.0 KiB float32 to 1), ..."""
+    peer = "" if peer is None else (
+        f" {'to' if op in SENDS else 'from' if op in ('recv', 'irecv') else 'root'} {peer}")
+    return f"{op}({human_bytes(nbytes)}{' ' + dtype if dtype else ''}{peer})"
 
 
 class CommLog:
@@ -304,6 +308,9 @@ def _trace(name: str, fn):
             nbytes, dtype = _bytes_of(name, a)
         except (KeyError, AttributeError):  # a call torch itself will refuse, with its words
             return fn(*args, **kwargs)
+        if not _logs and name not in P2P:  # the status board alone: cheap, as hooks call it
+            return _posted(_describe(name, nbytes, dtype, _peer(name, a, group)),
+                           bool(a.get("async_op")), fn, args, kwargs)
         event = CommEvent(
             op=name, nbytes=nbytes, dtype=dtype, rank=dist.get_rank(),
             peer=_peer(name, a, group), group_size=dist.get_world_size(group),
@@ -333,6 +340,19 @@ def _trace(name: str, fn):
 
     traced.__distlab_traced__ = fn
     return traced
+
+
+def _posted(text: str, async_op: bool, fn, args, kwargs):
+    """Run a collective with only the status board to keep: where this rank is, and
+    nothing that a log would need (its group's ranks, its end through a callback)."""
+    _status.post(f"in {text} since {time.time():.3f}")
+    _state.depth += 1
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        _state.depth -= 1
+    _status.post(f"after {text}{' issued async' if async_op else ''} at {time.time():.3f}")
+    return result
 
 
 def _trace_batch(fn):

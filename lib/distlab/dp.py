@@ -234,9 +234,10 @@ class DataParallel(_Replicated):
       False when the wrapper is built) are left out.
 
     ``channel`` says how a bucket's all-reduce is issued (:func:`distlab.overlap.channel`):
-    ``"auto"`` gives torch.distributed's async work handles on CPUs and a CUDA
-    communication stream ordered by events on GPUs; ``"raw-nccl"`` calls NCCL through
-    cupy on a stream of our own. A rank that is not a member of ``group`` gets an inert
+    ``"auto"`` gives torch.distributed's async work handles (on NCCL, torch's own
+    communication stream, ordered by events); ``"stream"`` a CUDA communication stream of
+    our own, ordered by events from Python; ``"raw-nccl"`` calls NCCL through cupy on a
+    stream of our own. A rank that is not a member of ``group`` gets an inert
     wrapper: no broadcast, no hooks, nothing to synchronise."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25, group=None, *,

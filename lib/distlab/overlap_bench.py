@@ -234,8 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, of naive, per-parameter, bucketed, torch DDP")
     p.add_argument("--channel", default="auto", choices=CHANNELS,
-                   help="how the bucketed variant issues its all-reduces (default: auto, the "
-                        "CUDA communication stream)")
+                   help="how the bucketed variant issues its all-reduces (default: auto, "
+                        "torch's work handles; stream: a CUDA stream of our own)")
     p.add_argument("--all-traces", action="store_true",
                    help="keep every rank's traces (trace_..._rankN.json.gz), not only rank 0's")
     p.add_argument("--world-size", type=int, default=None, help="default: every GPU")

@@ -1,0 +1,58 @@
+"""Where the bucketed step's host time goes at 4 x 1024 tokens (98M GPT, 2 NCCL ranks):
+step time and host time per step of naive, DDP and bucketed with the tracer's status
+board on or off, the comm-stream or plain-handles channel, and the GC on or off."""
+import gc, statistics, sys, time
+import torch, torch.distributed as dist, torch.nn.functional as F
+
+
+def rank_fn(shape, model="gpt-100m", vocab=16384):
+    from distlab import backend, comm, overlap
+    from distlab.model import GPT, config
+    from distlab.overlap_bench import host_seconds
+    rank, device = dist.get_rank(), backend.device()
+    board = comm._status
+    cfg = config(model, vocab_size=vocab)
+    cuda = device.type == "cuda"
+    batch, seq = shape
+    x = torch.randint(vocab, (batch, seq + 1), device=device,
+                      generator=torch.Generator(device=device).manual_seed(rank))
+    variants = {"naive": ("naive", "auto"), "DDP": ("torch DDP", "auto"),
+                "bucketed stream": ("bucketed", "stream"), "bucketed handles": ("bucketed", "handles")}
+    if not cuda:
+        del variants["bucketed stream"]
+    steps = {}
+    for name, (variant, channel) in variants.items():
+        torch.manual_seed(0)
+        net = GPT(cfg).to(device)
+        wrapped, finish = overlap.wrap(net, variant, 25, channel=channel)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=cuda)
+        def step(wrapped=wrapped, finish=finish, opt=opt):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                logits = wrapped(x[:, :-1])
+            F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
+            finish(); opt.step(); opt.zero_grad(set_to_none=True)
+        steps[name] = step
+    out = {}
+    for mode in ("traced", "untraced", "untraced, no gc"):
+        comm.post_status_to(board if mode == "traced" else None)
+        if "no gc" in mode:
+            gc.collect(); gc.disable()
+        t = overlap.compare(steps, rounds=5, iters=5, warmup=2)
+        h = {n: host_seconds(s) for n, s in steps.items()}
+        gc.enable()
+        out[mode] = (t, h)
+    comm.post_status_to(board)
+    return out
+
+
+if __name__ == "__main__":
+    from distlab import launch
+    cpu = len(sys.argv) > 1 and sys.argv[1] == "cpu"
+    for shape in ((2, 8),) if cpu else ((4, 1024), (16, 1024)):
+        res = launch.run(rank_fn, 2, shape, *(("test", 13) if cpu else ()),
+                         backend="gloo" if cpu else "nccl", timeout=400)
+        for mode, (t, h) in res[0].items():
+            print(f"{shape[0]}x{shape[1]} {mode:16} " + "  ".join(
+                f"{n}: {1e3 * t[n]:5.1f}/{1e3 * max(r[mode][1][n] for r in res):5.1f}ms"
+                for n in t) + "   bkt/DDP " + " ".join(
+                f"{t[n] / t['DDP']:.3f}" for n in t if n.startswith("bucketed")), flush=True)
