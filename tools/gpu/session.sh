@@ -14,10 +14,12 @@
 #   G: where the bucketed step loses time at 4 x 1024 tokens: overlap_bench on NVLink with
 #      the host's time per step and every rank's traces, with the CUDA comm stream and with
 #      plain work handles; the ring bench, 64 MiB .. 1 GiB (about 4 minutes)
+#   H: after the default channel became torch's handles: issue15.sh with 7 rounds of 5
+#      steps, nbval of solution 08, the gpu tiers of the exercises, comm and launch
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A, B, C, D, E, F or G}
+part=${1:?A, B, C, D, E, F, G or H}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -68,6 +70,12 @@ elif [ "$part" = G ]; then
   run 100 overlap_handles $ob --shapes 4x1024 --channel handles --out "$RESULTS/overlap_handles"
   run 90 ring_bench python3 -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
     --out "$RESULTS/ring_bench"
+elif [ "$part" = H ]; then
+  run 280 issue15 env OUT="$RESULTS/issue15" ROUNDS=7 ITERS=5 bash tools/gpu/issue15.sh
+  run 90 nbval_08 python3 -m pytest -q -rfEs -p no:cacheprovider --nbval --nbval-current-env \
+    solutions/08_overlap.ipynb
+  run 120 gpu_tiers python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
+    tests/exercises tests/test_comm.py tests/test_launch.py
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
