@@ -319,11 +319,7 @@ def _trace(name: str, fn):
             start=time.perf_counter(), batch=_state.batch if name in P2P else None)
         if _status:
             _status.post(f"in {event.describe()} since {time.time():.3f}")
-        _state.depth += 1
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            _state.depth -= 1
+        result = _inner(fn, args, kwargs)
         if name == "recv" and event.peer is None and isinstance(result, int):
             event.peer = result
         if event.async_op and result is not None:
@@ -346,13 +342,18 @@ def _posted(text: str, async_op: bool, fn, args, kwargs):
     """Run a collective with only the status board to keep: where this rank is, and
     nothing that a log would need (its group's ranks, its end through a callback)."""
     _status.post(f"in {text} since {time.time():.3f}")
-    _state.depth += 1
-    try:
-        result = fn(*args, **kwargs)
-    finally:
-        _state.depth -= 1
+    result = _inner(fn, args, kwargs)
     _status.post(f"after {text}{' issued async' if async_op else ''} at {time.time():.3f}")
     return result
+
+
+def _inner(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with the calls it makes itself left untraced."""
+    _state.depth += 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _state.depth -= 1
 
 
 def _trace_batch(fn):
