@@ -194,9 +194,10 @@ class _Bucket:
             return
         if len(none) == len(self.params):
             self.grads.zero_()
-        for j in none:
-            if len(none) < len(self.params):
+        else:
+            for j in none:
                 self.views[j].zero_()
+        for j in none:
             self.params[j].grad = self.views[j]
         self.fresh.update(none)
 
@@ -283,8 +284,7 @@ class DataParallel(_Replicated):
         if grad.is_sparse:
             raise ValueError("DataParallel handles dense gradients only; build embeddings "
                              "with sparse=False")
-        if grad.data_ptr() != bucket.ptrs[j]:  # autograd made a new tensor: copy it in
-            _into_bucket(p, bucket.views[j])
+        _into_bucket(bucket, j)
         bucket.ready.add(j)
         if len(bucket.ready) == len(bucket.params):
             self._launch(flush=False)
@@ -304,7 +304,7 @@ class DataParallel(_Replicated):
                     bucket.views[j].zero_()
                     bucket.flags[j] = 0
                 else:                        # accumulated earlier (no_sync), not by this backward
-                    _into_bucket(p, bucket.views[j])
+                    _into_bucket(bucket, j)
             bucket.handle = self.channel.launch(bucket.flat)
             self._next += 1
 
@@ -345,10 +345,12 @@ def _no_gradient(bucket: _Bucket, j: int) -> bool:
     return grad is None or (j in bucket.fresh and grad.data_ptr() == bucket.ptrs[j])
 
 
-def _into_bucket(p: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``p.grad`` the bucket's view, copying a fresh gradient in (after
-    ``zero_grad(set_to_none=True)`` autograd allocates a new one, as with DDP)."""
-    if p.grad.data_ptr() != view.data_ptr():
+def _into_bucket(bucket: _Bucket, j: int) -> None:
+    """Make parameter ``j``'s ``.grad`` its view of ``bucket``, copying the gradient in
+    where autograd made a tensor of its own (``.grad`` None without forward's view, or
+    replaced by a backward with ``create_graph=True``)."""
+    p, view = bucket.params[j], bucket.views[j]
+    if p.grad.data_ptr() != bucket.ptrs[j]:
         view.copy_(p.grad)
         p.grad = view
 

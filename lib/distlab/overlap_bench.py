@@ -95,7 +95,7 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
     """In each rank: the link's busbw, then for each batch shape the step time of each
     variant, the host's time to issue one step (:func:`host_seconds`) and the hidden
     fraction from one profiled step. Rank 0 keeps its traces in ``workdir`` (every rank
-    with ``all_traces``). ``channel``: that of the bucketed variant
+    with ``all_traces``). ``channel``: that of the bucketed and per-parameter variants
     (:func:`distlab.overlap.channel`). Returns plain data."""
     import torch
     import torch.distributed as dist
@@ -154,21 +154,20 @@ def host_seconds(step, repeats: int = 5) -> float:
     the host (Python, kernel launches), and faster GPU work would not shorten it."""
     import statistics
 
-    import torch
     import torch.distributed as dist
 
-    from distlab import backend
+    from distlab import backend, bench
 
-    sync = torch.cuda.synchronize if backend.device().type == "cuda" else (lambda: None)
+    device = backend.device()
     times = []
     for _ in range(repeats):
-        sync()
+        bench._sync(device)
         dist.barrier()
-        sync()
+        bench._sync(device)
         begin = time.perf_counter()
         step()
         times.append(time.perf_counter() - begin)
-    sync()
+    bench._sync(device)
     return statistics.median(times)
 
 

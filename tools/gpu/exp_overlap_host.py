@@ -1,7 +1,7 @@
 """Where the bucketed step's host time goes at 4 x 1024 tokens (98M GPT, 2 NCCL ranks):
 step time and host time per step of naive, DDP and bucketed with the tracer's status
 board on or off, the comm-stream or plain-handles channel, and the GC on or off."""
-import gc, statistics, sys, time
+import gc, sys
 import torch, torch.distributed as dist, torch.nn.functional as F
 
 

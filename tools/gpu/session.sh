@@ -31,6 +31,10 @@ run() {  # run LIMIT NAME COMMAND...: one step, its log in $RESULTS/NAME.txt
   echo "=== $name: exit $? ($(date +%T))"
   tail -n 25 "$RESULTS/$name.txt"
 }
+nbval() {  # nbval NOTEBOOK:LIMIT: one solution notebook, its GPU cells run for real
+  run "${1#*:}" "nbval_${1%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
+    --nbval-current-env "solutions/${1%:*}.ipynb"
+}
 if [ "$part" = A ]; then
   run 240 issue10 env OUT="$RESULTS/issue10" bash tools/gpu/issue10.sh
   run 170 issue11 env OUT="$RESULTS/issue11" bash tools/gpu/issue11.sh
@@ -55,14 +59,12 @@ elif [ "$part" = E ]; then
   run 50 ring_p2p32 env NCCL_MIN_P2P_NCHANNELS=32 NCCL_MAX_P2P_NCHANNELS=32 \
     NCCL_NCHANNELS_PER_PEER=32 $ring --out "$RESULTS/ring_p2p32"
   for nb in 05_zero:110 06_tensor_parallel:90 07_pipeline_parallel:110 08_overlap:170; do
-    run "${nb#*:}" "nbval_${nb%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
-      --nbval-current-env "solutions/${nb%:*}.ipynb"
+    nbval "$nb"
   done
 elif [ "$part" = F ]; then
   run 300 issue15 env OUT="$RESULTS/issue15" ROUNDS=7 ITERS=5 bash tools/gpu/issue15.sh
   for nb in 08_overlap:100 07_pipeline_parallel:100 06_tensor_parallel:200; do
-    run "${nb#*:}" "nbval_${nb%:*}" python3 -m pytest -q -rfEs -p no:cacheprovider --nbval \
-      --nbval-current-env "solutions/${nb%:*}.ipynb"
+    nbval "$nb"
   done
 elif [ "$part" = G ]; then
   ob="python3 -m distlab.overlap_bench --links nvlink --rounds 7 --iters 5 --all-traces"
@@ -72,8 +74,7 @@ elif [ "$part" = G ]; then
     --out "$RESULTS/ring_bench"
 elif [ "$part" = H ]; then
   run 280 issue15 env OUT="$RESULTS/issue15" ROUNDS=7 ITERS=5 bash tools/gpu/issue15.sh
-  run 90 nbval_08 python3 -m pytest -q -rfEs -p no:cacheprovider --nbval --nbval-current-env \
-    solutions/08_overlap.ipynb
+  nbval 08_overlap:90
   run 120 gpu_tiers python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
     tests/exercises tests/test_comm.py tests/test_launch.py
 else
