@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from distlab import alphabeta, bench, launch
@@ -92,6 +93,20 @@ def test_sweep_rows_follow_nccl_tests():
     header = next(line for line in bench.table(rows).splitlines() if "busbw" in line)
     assert header.split() == ["#", "size", "count", "type", "time(us)", "algbw(GB/s)",
                               "busbw(GB/s)", "1", "call(us)"]
+
+
+def _raw_api_on_gloo():
+    with pytest.raises(ValueError, match=r"api='torch'"):
+        bench.sweep(("all_reduce",), [64], api="nccl")
+    with pytest.raises(ValueError, match="api must be one of"):
+        bench.sweep(("all_reduce",), [64], api="mpi")
+    return True
+
+
+def test_the_raw_nccl_api_on_gloo_says_what_to_use():
+    assert launch.run(_raw_api_on_gloo, 2, backend="gloo", timeout=60) == [True, True]
+    with pytest.raises(SystemExit):
+        bench.main(["--api", "nccl", "--graph", "-n", "2"])
 
 
 def test_a_single_rank_has_no_sendrecv():
@@ -208,3 +223,41 @@ def test_sweep_on_two_gpus_eager_and_in_a_cuda_graph():
         assert [r.op for r in rows] == [op for op in bench.OPS for _ in (1, 2)]
         assert all(r.seconds > 0 for r in rows)
         assert all(r.fastest <= r.seconds for r in rows if fn is _graphed)
+
+
+def _raw_calls_move_the_right_data():
+    """Each op of api='nccl' once, on buffers filled per rank: every raw argument
+    (pointers, counts, root, peers, send/receive order) lands the data where NCCL's
+    definition of the op puts it."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comm = bench._raw_communicator("nccl", None, False)
+    total = n * (n + 1) / 2
+    for op in bench.OPS:
+        call, count = bench._op(op, 4096, torch.float32, None, comm)
+        bufs = call.buffers
+        for t in bufs:
+            t.fill_(-1)
+        bufs[op == "reduce_scatter"].fill_(rank + 1)  # the input: the big buffer there
+        call()
+        torch.cuda.synchronize()
+        got = [t.cpu() for t in bufs]
+        if op == "all_reduce":
+            assert torch.all(got[0] == total), op
+        elif op == "broadcast":
+            assert torch.all(got[0] == 1), op
+        elif op == "reduce" and rank == 0:
+            assert torch.all(got[0] == total), op
+        elif op == "all_gather":
+            assert torch.equal(got[1], torch.arange(1, n + 1.0).repeat_interleave(count // n)), op
+        elif op == "reduce_scatter":
+            assert torch.all(got[0] == total), op
+        elif op == "sendrecv":
+            assert torch.all(got[1] == (rank - 1) % n + 1), op
+    return bench.sweep(bench.OPS, [8, 1 << 20], warmup=1, iters=3, api="nccl")
+
+
+@pytest.mark.multigpu
+def test_the_raw_nccl_api_on_two_gpus():
+    rows = launch.run(_raw_calls_move_the_right_data, 2, backend="nccl", timeout=120)[0]
+    assert [r.op for r in rows] == [op for op in bench.OPS for _ in (1, 2)]
+    assert all(r.seconds > 0 for r in rows)

@@ -1,5 +1,5 @@
 """The raw NCCL API through CuPy: a clear error without CuPy; on a GPU, the unique id
-through the store, allReduce on raw pointers, grouped send/recv."""
+through the store, the collectives on raw pointers, grouped send/recv."""
 import importlib.util
 
 import pytest
@@ -34,6 +34,21 @@ def _raw_collectives():
     expect_close(t.cpu(), expected, f"rank {rank}: allReduce sum")
     expect_close(recv.cpu(), torch.full((513,), float((rank - 1) % world)),
                  f"rank {rank}: ring shift by grouped send/recv")
+    block = torch.full((5,), float(rank + 1), device=device)
+    gathered = nccl_raw.all_gather(comm, torch.empty(5 * world, device=device), block)
+    scattered = nccl_raw.reduce_scatter(comm, torch.empty(5, device=device),
+                                        torch.arange(5.0 * world, device=device))
+    root_value = nccl_raw.broadcast(comm, torch.full((3,), float(rank), device=device), root=0)
+    reduced = nccl_raw.reduce(comm, torch.full((3,), float(rank + 1), device=device), root=0)
+    torch.cuda.current_stream().synchronize()
+    expect_close(gathered.cpu(), torch.arange(1, world + 1.0).repeat_interleave(5), "allGather")
+    expect_close(scattered.cpu(), torch.arange(5.0 * rank, 5.0 * rank + 5) * world,
+                 f"rank {rank}: reduceScatter")
+    expect_close(root_value.cpu(), torch.zeros(3), "broadcast from rank 0")
+    if rank == 0:
+        expect_close(reduced.cpu(), torch.full((3,), world * (world + 1) / 2), "reduce to rank 0")
+    with pytest.raises(ValueError, match="world_size"):
+        nccl_raw.all_gather(comm, torch.empty(5 * world + 1, device=device), block)
     with pytest.raises(ValueError, match="GPU"):
         nccl_raw.all_reduce(comm, torch.zeros(3))
     with pytest.raises(ValueError, match="contiguous"):

@@ -124,6 +124,16 @@ def test_large_buffers_on_gpus(piece_bytes):
         assert failures == [], f"rank {rank}: {failures}"
 
 
+@pytest.mark.multigpu
+def test_bench_in_cuda_graphs_on_gpus():
+    """The ring's grouped sends and receives, its waits and additions, captured in a CUDA
+    graph and replayed, beside NCCL's all_reduce captured the same way."""
+    result = ring_bench.measure("all_reduce", [1 << 20], 2, "nccl", rounds=1, iters=2,
+                                graph=True, timeout=180)
+    assert all(r > 0 for rs in result.ratio.values() for r in rs)
+    assert "CUDA graphs" in result.table()
+
+
 def test_piece_count_follows_the_backend():
     MiB = 1 << 20
     assert [ring.piece_count(c * MiB, "nccl") for c in (32, 256, 512, 768, 2048)] == [1, 1, 1, 2, 4]
@@ -348,6 +358,11 @@ def test_bench_checks_answers_and_reports_ratios(tmp_path):
         assert all(low <= r <= high for r, (low, high) in zip(ratios, result.spread[name]))
     assert "median (min-max) of 2 rounds" in result.table()
     assert "reference ring" in result.table()
+    assert list(result.host) == list(result.seconds), "the host's time of every contender"
+    assert all(len(ts) == 2 and all(t > 0 for t in ts) for ts in result.host.values())
+    assert "host's time to issue one call" in result.table()
+    with pytest.raises(ValueError, match="needs GPUs"):
+        ring_bench.measure("all_reduce", [4096], 2, rounds=1, graph=True)
     rs = ring_bench.measure("reduce_scatter", [65536], 4, rounds=1)
     assert list(rs.ratio) == ["reference ring", "all_reduce, keep a chunk"]
     from distlab.viz.ring import plot_bench

@@ -3,6 +3,7 @@
     python -m distlab.bench                      # 4 ranks, every op, 4 KiB .. 16 MiB
     python -m distlab.bench --ops all_reduce --world-size 2 --max-bytes 64M
     python -m distlab.bench -n 2 --backend nccl -b 8 -e 1G --nccl-tests DIR  # side by side
+    python -m distlab.bench -n 2 --backend nccl -b 8 -e 1G --api nccl  # NCCL without torch
 
 Timing follows nccl-tests: warm-up calls, then a run of calls back to back, with no
 barrier and no wait between them, timed as a whole (:func:`time_op`); the time per op
@@ -17,9 +18,11 @@ torch's Python API costs the host its own time (argument checks, the dispatch to
 process group, the work object: about 40 us per call on the H200 machine), which
 nccl-tests' C loop does not pay; a collective that takes the GPU less than that runs
 at the host's pace, and the time per op is the host's. That is what a Python program
-really pays per call, and worth knowing (lab 01). ``--graph`` captures the run in a
-CUDA graph and replays it: no host work per call, the GPU's time alone, which is what
-nccl-tests measures.
+really pays per call, and worth knowing (lab 01). Two ways take it out:
+``--api nccl`` calls NCCL itself through ``cupy.cuda.nccl`` with every argument worked
+out beforehand (:mod:`distlab.nccl_raw`), so that a call costs the host about what it
+costs nccl-tests, and the time per op is NCCL's, as nccl-tests measures it; ``--graph``
+captures torch's calls in a CUDA graph and replays them: no host work per call at all.
 
 Definitions follow nccl-tests (doc/PERFORMANCE.md): ``size`` is the message in bytes
 (the whole buffer of all_reduce/broadcast/reduce, the *output* of all_gather, the
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -42,9 +46,31 @@ from distlab import backend, comm, launch
 from distlab.alphabeta import fits
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait until ``device`` is idle (nothing to wait for on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def host_seconds(call, repeats: int = 5, group=None) -> float:
+    """The host's time to issue one ``call()`` (median of ``repeats``, the slowest rank's
+    of ``group``), each started on an idle device after a barrier. On a GPU the call
+    only queues work: where this nears the call's time, the call is bound by the host
+    (Python, kernel launches) and faster GPU work would not shorten it. On gloo the
+    calls block, so it is the whole call."""
+    device = backend.device()
+    distributed = dist.is_available() and dist.is_initialized()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        if distributed:
+            dist.barrier(group=group)
+            sync(device)
+        begin = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - begin)
+    sync(device)
+    return _slowest([statistics.median(times)], group)[0]
 
 
 def _slowest(values: list[float], group) -> list[float]:
@@ -96,10 +122,10 @@ def time_runs(fn, warmup: int = 5, iters: int = 20, group=None, graph: bool = Fa
     for _ in range(repeats):
         for _ in range(warmup):
             run()
-        _sync(device)
+        sync(device)
         if dist.is_available() and dist.is_initialized():
             dist.barrier(group=group)
-            _sync(device)
+            sync(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -127,10 +153,10 @@ def time_each(fn, iters: int = 10, group=None) -> float:
     for _ in range(iters):
         if distributed:
             dist.barrier(group=group)
-        _sync(device)
+        sync(device)
         begin = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - begin)
     if distributed:  # one collective for all the calls: the slowest rank's time of each
         slowest = torch.tensor(times, dtype=torch.float64, device=device)
@@ -169,10 +195,11 @@ def sizes(min_bytes: int, max_bytes: int, factor: int = 2) -> list[int]:
     return out
 
 
-def _op(op: str, nbytes: int, dtype: torch.dtype, group):
+def _op(op: str, nbytes: int, dtype: torch.dtype, group, raw=None):
     """(call, count): a closure running ``op`` once on buffers made here, and the
     element count of its message. Sizes round down to what the op can split evenly.
-    The calls bypass CommLog's tracer (:func:`distlab.comm.untraced`)."""
+    The calls bypass CommLog's tracer (:func:`distlab.comm.untraced`); with ``raw``, a
+    ``cupy.cuda.nccl`` communicator, they go straight to NCCL (:func:`_raw_op`)."""
     n = dist.get_world_size(group)
     device = backend.device()
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -184,6 +211,12 @@ def _op(op: str, nbytes: int, dtype: torch.dtype, group):
     def buffer(numel):
         return torch.ones(numel, dtype=dtype, device=device)
 
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose from {OPS}")
+    if op == "sendrecv" and n < 2:
+        raise ValueError("sendrecv needs at least 2 ranks (each sends to the next)")
+    if raw is not None:
+        return _raw_op(op, count, buffer, raw), count
     if op == "all_reduce":
         t, all_reduce = buffer(count), comm.untraced(dist.all_reduce)
         call = lambda: all_reduce(t, group=group)  # noqa: E731
@@ -201,13 +234,53 @@ def _op(op: str, nbytes: int, dtype: torch.dtype, group):
     elif op == "reduce":
         t, reduce = buffer(count), comm.untraced(dist.reduce)
         call = lambda: reduce(t, dst=root, group=group)  # noqa: E731
-    elif op == "sendrecv":
-        if n < 2:
-            raise ValueError("sendrecv needs at least 2 ranks (each sends to the next)")
-        call = _sendrecv(buffer(count), buffer(count), group)
     else:
-        raise ValueError(f"unknown op {op!r}; choose from {OPS}")
+        call = _sendrecv(buffer(count), buffer(count), group)
     return call, count
+
+
+def _raw_op(op: str, count: int, buffer, comm):
+    """``op`` as one call of ``cupy.cuda.nccl`` on buffers made by ``buffer(numel)``, its
+    arguments (raw pointers, counts, datatype, the current stream) worked out here, so
+    that a call costs the host what nccl-tests' C loop pays plus one Python call: the
+    time per op is NCCL's own, where torch's API adds its Python and C++ per call."""
+    from distlab import nccl_raw
+
+    m, n, rank = nccl_raw.nccl(), comm.size(), comm.rank_id()
+    stream = torch.cuda.current_stream().cuda_stream
+    if op in ("all_reduce", "broadcast", "reduce"):
+        t = buffer(count)
+        ptr, numel, dt = nccl_raw.pointer(t)
+        args = {"all_reduce": (comm.allReduce, ptr, ptr, numel, dt, m.NCCL_SUM, stream),
+                "broadcast": (comm.broadcast, ptr, ptr, numel, dt, 0, stream),
+                "reduce": (comm.reduce, ptr, ptr, numel, dt, m.NCCL_SUM, 0, stream)}[op]
+        return _holding(functools.partial(*args), t)
+    if op in ("all_gather", "reduce_scatter"):
+        small, big = buffer(count // n), buffer(count)
+    if op == "all_gather":
+        send, numel, dt = nccl_raw.pointer(small)
+        return _holding(functools.partial(comm.allGather, send, nccl_raw.pointer(big)[0],
+                                          numel, dt, stream), small, big)
+    if op == "reduce_scatter":
+        recv, numel, dt = nccl_raw.pointer(small)
+        return _holding(functools.partial(comm.reduceScatter, nccl_raw.pointer(big)[0], recv,
+                                          numel, dt, m.NCCL_SUM, stream), small, big)
+    a, b = buffer(count), buffer(count)
+    (send, numel, dt), recv = nccl_raw.pointer(a), nccl_raw.pointer(b)[0]
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+
+    def call():  # nccl-tests' sendrecv: one group, send to the next, receive from the previous
+        m.groupStart()
+        comm.send(send, numel, dt, nxt, stream)
+        comm.recv(recv, numel, dt, prv, stream)
+        m.groupEnd()
+    return _holding(call, a, b)
+
+
+def _holding(call, *tensors):
+    """``call``, keeping alive the tensors whose raw pointers it was given."""
+    call.buffers = tensors
+    return call
 
 
 def _sendrecv(send: torch.Tensor, recv: torch.Tensor, group):
@@ -236,21 +309,26 @@ def _sendrecv(send: torch.Tensor, recv: torch.Tensor, group):
 
 def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmup: int = 5,
           iters: int = 20, group=None, each: int = 0, graph: bool = False,
-          repeats: int = 1) -> list[Row]:
+          repeats: int = 1, api: str = "torch") -> list[Row]:
     """Time every op at every size on the ranks of ``group`` (the median of ``repeats``
     runs of :func:`time_op`, and with ``each`` > 0 also :func:`time_each` over that many
     calls); call it on each of them (inside a launched function). Every rank returns
-    the same rows. sendrecv is left out on a single rank (it has no peer)."""
+    the same rows. sendrecv is left out on a single rank (it has no peer).
+
+    ``api``: ``"torch"`` calls torch.distributed, as the labs do; ``"nccl"`` calls NCCL
+    itself through ``cupy.cuda.nccl`` (:mod:`distlab.nccl_raw`) on a communicator of
+    every rank, as nccl-tests does (NCCL backend and the default group only)."""
     message_sizes = message_sizes or sizes(4 << 10, 16 << 20)
     n = dist.get_world_size(group)
     ops = [op for op in ops if not (op == "sendrecv" and n < 2)]
     for op in ops:
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; choose from {OPS}")
+    raw = _raw_communicator(api, group, graph)
     cases = [(op, size) for op in ops for size in message_sizes]
     rows = []
     for op, size in launch.progress(cases, desc=f"bench on {n} rank(s)"):
-        call, count = _op(op, size, dtype, group)
+        call, count = _op(op, size, dtype, group, raw)
         runs = time_runs(call, warmup, iters, group, graph, repeats)
         seconds = statistics.median(runs)
         nbytes = count * torch.empty((), dtype=dtype).element_size()
@@ -261,6 +339,30 @@ def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmu
                         min(runs) if repeats > 1 else None))
         del call  # free this size's buffers before the next
     return rows
+
+
+APIS = ("torch", "nccl")
+
+
+def _raw_communicator(api: str, group, graph: bool):
+    """The ``cupy.cuda.nccl`` communicator that ``api="nccl"`` calls (None for torch's
+    API), or a ValueError that says what to change."""
+    if api not in APIS:
+        raise ValueError(f"api must be one of {APIS}, got {api!r}")
+    if api == "torch":
+        return None
+    if dist.get_backend(group) != "nccl":
+        raise ValueError(f"api='nccl' calls NCCL itself, which needs GPUs and the nccl "
+                         f"backend (launched with {dist.get_backend(group)}); use "
+                         f"api='torch' (--api torch) here")
+    if group is not None:
+        raise ValueError("api='nccl' builds one communicator of every rank: pass group=None")
+    if graph:
+        raise ValueError("graph=True takes the host's cost per call out of torch's API; "
+                         "api='nccl' already pays only NCCL's own: use one or the other")
+    from distlab import nccl_raw
+
+    return nccl_raw.communicator()
 
 
 def table(rows: list[Row]) -> str:
@@ -297,10 +399,10 @@ def table(rows: list[Row]) -> str:
 def run(ops=OPS, message_sizes=None, world_size: int = 4, backend: str = "auto",
         dtype: torch.dtype = torch.float32, warmup: int = 5, iters: int = 20,
         timeout: float = 600.0, each: int = 0, graph: bool = False,
-        repeats: int = 1) -> list[Row]:
+        repeats: int = 1, api: str = "torch") -> list[Row]:
     """Launch ``world_size`` ranks and sweep; the rows (from rank 0)."""
     return launch.run(sweep, world_size, tuple(ops), message_sizes, dtype, warmup, iters,
-                      None, each, graph, repeats, backend=backend, timeout=timeout)[0]
+                      None, each, graph, repeats, api, backend=backend, timeout=timeout)[0]
 
 
 # ------------------------------------------------------------ nccl-tests, side by side
@@ -407,6 +509,9 @@ def main(argv=None) -> None:
                         help="also time this many single calls, each waited for (0: no)")
     parser.add_argument("--graph", action="store_true",
                         help="GPU: time a CUDA graph of the calls (no host cost per call)")
+    parser.add_argument("--api", default="torch", choices=APIS,
+                        help="torch: torch.distributed's calls, as the labs make them; "
+                             "nccl: NCCL's own calls through cupy, as nccl-tests makes them")
     parser.add_argument("--nccl-tests", default=None, metavar="DIR",
                         help="a folder of nccl-tests outputs, <op>_perf.txt: print the "
                              "times side by side")
@@ -422,9 +527,13 @@ def main(argv=None) -> None:
     unknown = sorted(set(ops) - set(OPS))
     if unknown:
         parser.error(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    if args.api == "nccl" and args.graph:
+        parser.error("--graph times torch's calls without their host cost; --api nccl "
+                     "already has none of torch's: pick one")
     explained = backends.explain(args.world_size, args.backend)
     print(f"# {explained}; torch {torch.__version__}")
-    print(f"# warm-up {args.warmup}, then {args.iters} calls back to back"
+    print(f"# {'NCCL called through cupy' if args.api == 'nccl' else 'torch.distributed calls'}"
+          f"; warm-up {args.warmup}, then {args.iters} calls back to back"
           f"{' in a CUDA graph' if args.graph else ''}: time per op, slowest rank"
           + (f"; median of {args.repeats} such runs, min: the fastest" if args.repeats > 1
              else "")
@@ -434,7 +543,7 @@ def main(argv=None) -> None:
               "hardware")
     rows = run(ops, sizes(args.min_bytes, args.max_bytes, args.factor), args.world_size,
                args.backend, dtype, args.warmup, args.iters, each=args.each, graph=args.graph,
-               repeats=args.repeats)
+               repeats=args.repeats, api=args.api)
     print(table(rows))
     compared = None
     if args.nccl_tests:
@@ -450,6 +559,7 @@ def main(argv=None) -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"setup": explained, "torch": torch.__version__, "graph": args.graph,
+                       "api": args.api,
                        "repeats": args.repeats,
                        "rows": [dataclasses.asdict(r) for r in rows],
                        "vs_nccl_tests": compared}, f, indent=1)

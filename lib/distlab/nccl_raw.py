@@ -60,7 +60,7 @@ _OPS = {"sum": "NCCL_SUM", "prod": "NCCL_PROD", "max": "NCCL_MAX", "min": "NCCL_
         "avg": "NCCL_AVG"}
 
 
-def _buffer(tensor: torch.Tensor):
+def pointer(tensor: torch.Tensor):
     """(pointer, count, datatype) of a contiguous CUDA tensor."""
     if not tensor.is_cuda:
         raise ValueError(f"NCCL moves GPU memory: the tensor is on {tensor.device}; "
@@ -114,11 +114,60 @@ def communicator(world_size: int | None = None, rank: int | None = None):
 def all_reduce(comm, tensor: torch.Tensor, op: str = "sum", stream=None) -> torch.Tensor:
     """``ncclAllReduce(ptr, ptr, count, datatype, op, comm, stream)``, in place (send
     and receive buffers may be the same). Queued on ``stream``; returns at once."""
+    ptr, count, datatype = pointer(tensor)
+    comm.allReduce(ptr, ptr, count, datatype, _op(op), _stream(stream))
+    return tensor
+
+
+def all_gather(comm, output: torch.Tensor, input: torch.Tensor, stream=None) -> torch.Tensor:
+    """``ncclAllGather(sendbuff, recvbuff, sendcount, datatype, comm, stream)``: rank r's
+    ``input`` lands at block r of ``output`` (``world_size`` times as long)."""
+    send, count, datatype = pointer(input)
+    recv, total, _ = pointer(output)
+    _check_blocks(comm, count, total, "all_gather", "output", "input")
+    comm.allGather(send, recv, count, datatype, _stream(stream))
+    return output
+
+
+def reduce_scatter(comm, output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                   stream=None) -> torch.Tensor:
+    """``ncclReduceScatter(sendbuff, recvbuff, recvcount, datatype, op, comm, stream)``:
+    block r of ``input`` (``world_size`` times ``output``'s length), reduced over the
+    ranks, lands in rank r's ``output``."""
+    recv, count, datatype = pointer(output)
+    send, total, _ = pointer(input)
+    _check_blocks(comm, count, total, "reduce_scatter", "input", "output")
+    comm.reduceScatter(send, recv, count, datatype, _op(op), _stream(stream))
+    return output
+
+
+def broadcast(comm, tensor: torch.Tensor, root: int = 0, stream=None) -> torch.Tensor:
+    """``ncclBroadcast(ptr, ptr, count, datatype, root, comm, stream)``, in place."""
+    ptr, count, datatype = pointer(tensor)
+    comm.broadcast(ptr, ptr, count, datatype, root, _stream(stream))
+    return tensor
+
+
+def reduce(comm, tensor: torch.Tensor, root: int = 0, op: str = "sum", stream=None) -> torch.Tensor:
+    """``ncclReduce(ptr, ptr, count, datatype, op, root, comm, stream)``, in place: the
+    result lands in ``root``'s ``tensor``. NCCL only reads the others' (their receive
+    buffer is unused), unlike torch's ``dist.reduce`` on gloo, which leaves partial
+    sums in them."""
+    ptr, count, datatype = pointer(tensor)
+    comm.reduce(ptr, ptr, count, datatype, _op(op), root, _stream(stream))
+    return tensor
+
+
+def _op(op: str) -> int:
     if op not in _OPS:
         raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
-    ptr, count, datatype = _buffer(tensor)
-    comm.allReduce(ptr, ptr, count, datatype, getattr(nccl(), _OPS[op]), _stream(stream))
-    return tensor
+    return getattr(nccl(), _OPS[op])
+
+
+def _check_blocks(comm, count: int, total: int, name: str, big: str, small: str) -> None:
+    if total != count * comm.size():
+        raise ValueError(f"{name}: {big} must hold world_size ({comm.size()}) x {small} "
+                         f"elements, {count * comm.size()}; it has {total}")
 
 
 @contextlib.contextmanager
@@ -134,13 +183,13 @@ def group():
 
 def send(comm, tensor: torch.Tensor, peer: int, stream=None) -> None:
     """``ncclSend(ptr, count, datatype, peer, comm, stream)``."""
-    ptr, count, datatype = _buffer(tensor)
+    ptr, count, datatype = pointer(tensor)
     comm.send(ptr, count, datatype, peer, _stream(stream))
 
 
 def recv(comm, tensor: torch.Tensor, peer: int, stream=None) -> None:
     """``ncclRecv(ptr, count, datatype, peer, comm, stream)``."""
-    ptr, count, datatype = _buffer(tensor)
+    ptr, count, datatype = pointer(tensor)
     comm.recv(ptr, count, datatype, peer, _stream(stream))
 
 

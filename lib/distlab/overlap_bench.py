@@ -22,7 +22,7 @@ variants interleaved round after round (:func:`distlab.overlap.compare`), then o
 of each under ``torch.profiler``. NCCL kernels are communication, every other kernel
 computation (:func:`distlab.trace.kernel_timeline`); "hidden" is the share of the NCCL
 kernels' time during which some compute kernel ran. Beside each step time, the host's
-time to issue one step (:func:`host_seconds`): where the two are close the step is bound
+time to issue one step (:func:`distlab.bench.host_seconds`): where the two are close the step is bound
 by the host, and Python hooks cost step time. Writes ``overlap_bench.json``, rank
 0's Chrome traces (``trace_<link>_<tokens>_<variant>.json.gz``, open them in
 https://ui.perfetto.dev) and a picture of one step per link drawn from those traces
@@ -93,15 +93,15 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
                bucket_cap_mb: float = 25, busbw_bytes: int = 256 << 20,
                channel: str = "auto", all_traces: bool = False) -> dict:
     """In each rank: the link's busbw, then for each batch shape the step time of each
-    variant, the host's time to issue one step (:func:`host_seconds`) and the hidden
-    fraction from one profiled step. Rank 0 keeps its traces in ``workdir`` (every rank
+    variant, the host's time to issue one step (:func:`distlab.bench.host_seconds`) and
+    the hidden fraction from one profiled step. Rank 0 keeps its traces in ``workdir`` (every rank
     with ``all_traces``). ``channel``: that of the bucketed and per-parameter variants
     (:func:`distlab.overlap.channel`). Returns plain data."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from distlab import backend, overlap, trace
+    from distlab import backend, bench, overlap, trace
     from distlab.model import GPT, config
 
     rank, device = dist.get_rank(), backend.device()
@@ -128,7 +128,7 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
                 opt.zero_grad(set_to_none=True)
             steps[variant] = step
         seconds = overlap.compare(steps, rounds=rounds, iters=iters, warmup=warmup)
-        host = {variant: host_seconds(step) for variant, step in steps.items()}
+        host = {variant: bench.host_seconds(step) for variant, step in steps.items()}
         hidden, comm = {}, {}
         for variant, step in steps.items():
             path = Path(workdir) / f"trace_{shape}_{variant.replace(' ', '_')}_rank{rank}.json.gz"
@@ -146,29 +146,6 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     return out
-
-
-def host_seconds(step, repeats: int = 5) -> float:
-    """The host's time to issue one ``step`` (median of ``repeats``), each started on an
-    idle GPU after a barrier: where it is close to the step's time, the step is bound by
-    the host (Python, kernel launches), and faster GPU work would not shorten it."""
-    import statistics
-
-    import torch.distributed as dist
-
-    from distlab import backend, bench
-
-    device = backend.device()
-    times = []
-    for _ in range(repeats):
-        bench._sync(device)
-        dist.barrier()
-        bench._sync(device)
-        begin = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - begin)
-    bench._sync(device)
-    return statistics.median(times)
 
 
 def run_link(link: str, shapes, variants, world_size: int, workdir: Path, **kw) -> list[dict]:

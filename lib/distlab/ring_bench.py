@@ -31,7 +31,7 @@ import torch.distributed as dist
 from distlab import backend as backends
 from distlab import launch, ring
 from distlab import comm
-from distlab.bench import parse_size, sizes, time_op
+from distlab.bench import host_seconds, parse_size, sizes, time_op
 from distlab.comm import bus_factor, size_label
 
 OPS = ("all_reduce", "reduce_scatter")
@@ -104,6 +104,9 @@ class Result:
     spread: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
     # name -> [lowest, highest] of t(backend) / t(name) over the rounds, per size
     rounds: int = 0
+    host: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # name -> the host's seconds to issue one call (median, slowest rank), per size
+    graph: bool = False                # timed as CUDA graph replays (no host cost per call)
 
     def busbw(self, name: str) -> list[float]:
         """Bytes per second, nccl-tests' bus bandwidth."""
@@ -132,22 +135,33 @@ class Result:
             return (f"{first:>9}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells[:left], widths))
                     + "  |  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells[left:], widths[left:])))
 
-        lines = [f"{self.op}, {self.world_size} {self.backend} ranks, {self.dtype}: "
-                 f"busbw in GB/s  |  busbw / backend's, median (min-max) of {self.rounds} rounds",
+        lines = [f"{self.op}, {self.world_size} {self.backend} ranks, {self.dtype}"
+                 f"{', CUDA graphs' if self.graph else ''}: busbw in GB/s  |  busbw / "
+                 f"backend's, median (min-max) of {self.rounds} rounds",
                  *(row("size" if d == depth - 1 else "", [h[d] for h in heads])
                    for d in range(depth))]
         lines += [row(size_label(size), cells) for size, cells in zip(self.sizes, rows)]
+        if self.host and not self.graph:
+            lines += ["host's time to issue one call, us (where it nears the time per call, "
+                      "the host sets the pace)",
+                      *(f"{size_label(size):>9}  " + "  ".join(
+                          f"{n}: {self.host[n][i] * 1e6:.0f} of {self.seconds[n][i] * 1e6:.0f}"
+                          for n in names) for i, size in enumerate(self.sizes))]
         return "\n".join(lines)
 
 
 def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
             backend: str = "gloo", rounds: int | None = None, dtype: str = "float32",
             contenders: dict | None = None, timeout: float = 600,
-            iters: int | None = None) -> Result:
+            iters: int | None = None, graph: bool = False) -> Result:
     """Time the backend's ``op`` and each contender (name -> ``fn(tensor)``, run on every
     rank; default: :data:`CONTENDERS`) at each size, interleaved over ``rounds`` rounds
     (default: 15 on NCCL, where a round is short, 7 elsewhere), each a run of ``iters``
-    calls back to back (default: 10 on NCCL, 1 elsewhere), all untraced.
+    calls back to back (default: 10 on NCCL, 1 elsewhere), all untraced; and the host's
+    time to issue one call of each (where it nears the time per call, Python's cost
+    of issuing the ring, not the ring's transfers, sets the pace). ``graph`` (GPUs):
+    each run is a CUDA graph of the ``iters`` calls, replayed, which times what the GPU
+    does alone, the backend's call included.
 
     Every contender's answer is first checked against the backend's: a wrong answer
     has no speed. Functions defined in a notebook can be contenders."""
@@ -157,10 +171,13 @@ def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
     name = backends.choose(world_size, backend)
     rounds = rounds or (15 if name == "nccl" else 7)
     iters = iters or (10 if name == "nccl" else 1)
+    if graph and name not in ("nccl", "rccl"):
+        raise ValueError(f"graph=True replays CUDA graphs: it needs GPUs and nccl, not {name}")
     runs = launch.run(_measure_rank, world_size, op, list(sizes), rounds, dtype, contenders,
-                      iters, backend=name, timeout=timeout)
-    measured, seconds, ratio, spread = runs[0]
-    return Result(op, world_size, name, dtype, measured, seconds, ratio, spread, rounds)
+                      iters, graph, backend=name, timeout=timeout)
+    measured, seconds, ratio, spread, host = runs[0]
+    return Result(op, world_size, name, dtype, measured, seconds, ratio, spread, rounds, host,
+                  graph)
 
 
 def ring_with_pieces(piece_bytes: int, tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -172,13 +189,14 @@ def ring_with_pieces(piece_bytes: int, tensor: torch.Tensor, group=None) -> torc
         ring.PIECE_BYTES = saved
 
 
-def _measure_rank(op, sizes, rounds, dtype, contenders, iters):
+def _measure_rank(op, sizes, rounds, dtype, contenders, iters, graph):
     K, device = dist.get_world_size(), backends.device()
     dt = getattr(torch, dtype)
     fns = {"backend": BACKEND[op], **contenders}
     seconds = {n: [] for n in fns}
     ratio = {n: [] for n in fns if n != "backend"}
     spread = {n: [] for n in ratio}
+    host = {n: [] for n in fns}
     measured = []
     for size in launch.progress(sizes, desc=f"{op} sizes"):
         numel = size // dt.itemsize
@@ -191,16 +209,18 @@ def _measure_rank(op, sizes, rounds, dtype, contenders, iters):
             order = list(fns)[k % len(fns):] + list(fns)[: k % len(fns)]
             for n in order:
                 with comm.quiet():
-                    t = time_op(lambda: fns[n](x), warmup=0, iters=iters)
+                    t = time_op(lambda: fns[n](x), warmup=0, iters=iters, graph=graph)
                 if k:  # round 0 is the warm-up
                     times[n].append(t)
         for n in fns:
             seconds[n].append(statistics.median(times[n]))
+            with comm.quiet():
+                host[n].append(host_seconds(functools.partial(fns[n], x)))
         for n in ratio:
             per_round = [b / t for b, t in zip(times["backend"], times[n])]
             ratio[n].append(statistics.median(per_round))
             spread[n].append([min(per_round), max(per_round)])
-    return measured, seconds, ratio, spread
+    return measured, seconds, ratio, spread, host
 
 
 # Odd lengths from 1 element to 1 GiB of float32 (1 B, 3 B, ... in uint8), for --check.
@@ -257,6 +277,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None,
                    help="calls back to back per round (default: 10 on NCCL, else 1)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--graph", action="store_true", help="GPUs: time CUDA graphs of the calls, "
+                   "so that the host's cost of issuing them is out of every contender")
     p.add_argument("--pieces", default="", help="all_reduce: also the reference ring with "
                    "pieces of at most these sizes, e.g. 128M,1G (1G: whole chunks up to 2 GiB)")
     p.add_argument("--out", default="build/ring_bench", help="folder for the figure and "
@@ -279,7 +301,8 @@ def main(argv=None) -> int:
         contenders[f"reference ring, {size_label(parse_size(text))} pieces"] = \
             functools.partial(ring_bench.ring_with_pieces, parse_size(text))
     result = ring_bench.measure(a.op, sizes(a.min_bytes, a.max_bytes, a.factor), a.world_size,
-                                a.backend, a.rounds, a.dtype, contenders, iters=a.iters)
+                                a.backend, a.rounds, a.dtype, contenders, iters=a.iters,
+                                graph=a.graph)
     print(result.table())
     if a.out:
         import json

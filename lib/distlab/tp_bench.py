@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab import bench
 from distlab.overlap_bench import LINKS, environ
 
 VARIANTS = ("distlab TP", "torch TP", "torch DDP", "distlab DP")
@@ -154,17 +155,12 @@ def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3
 
 def _timed(step, steps: int, device) -> float:
     """Seconds per step over ``steps`` steps."""
-    _sync(device)
+    bench.sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    _sync(device)
+    bench.sync(device)
     return (time.perf_counter() - start) / steps
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _nccl_share(step, device, steps: int, path: Path) -> float | None:

@@ -1,14 +1,32 @@
 """Where the bucketed step's host time goes at 4 x 1024 tokens (98M GPT, 2 NCCL ranks):
 step time and host time per step of naive, DDP and bucketed with the tracer's status
-board on or off, the comm-stream or plain-handles channel, and the GC on or off."""
-import gc, sys
+board on or off, the comm-stream or plain-handles channel, the process group's own
+allreduce (C++, no torch.distributed Python per call), and the GC on or off.
+Env: MODES (comma-separated, default all three), ROUNDS (5), SHAPES (4x1024,16x1024)."""
+import gc, os, sys
 import torch, torch.distributed as dist, torch.nn.functional as F
+
+
+class PgHandles:
+    """Handles through the process group's C++ allreduce (what DDP's reducer calls)."""
+
+    def __init__(self):
+        self.pg = dist.group.WORLD
+        self.opts = dist.AllreduceOptions()
+        self.opts.reduceOp = dist.ReduceOp.AVG
+
+    def launch(self, flat):
+        return self.pg.allreduce([flat], self.opts)
+
+    def wait(self, handles):
+        for h in handles:
+            h.wait()
 
 
 def rank_fn(shape, model="gpt-100m", vocab=16384):
     from distlab import backend, comm, overlap
     from distlab.model import GPT, config
-    from distlab.overlap_bench import host_seconds
+    from distlab.bench import host_seconds
     rank, device = dist.get_rank(), backend.device()
     board = comm._status
     cfg = config(model, vocab_size=vocab)
@@ -17,7 +35,8 @@ def rank_fn(shape, model="gpt-100m", vocab=16384):
     x = torch.randint(vocab, (batch, seq + 1), device=device,
                       generator=torch.Generator(device=device).manual_seed(rank))
     variants = {"naive": ("naive", "auto"), "DDP": ("torch DDP", "auto"),
-                "bucketed stream": ("bucketed", "stream"), "bucketed handles": ("bucketed", "handles")}
+                "bucketed stream": ("bucketed", "stream"), "bucketed handles": ("bucketed", "handles"),
+                "bucketed pg": ("bucketed", "handles")}
     if not cuda:
         del variants["bucketed stream"]
     steps = {}
@@ -25,6 +44,8 @@ def rank_fn(shape, model="gpt-100m", vocab=16384):
         torch.manual_seed(0)
         net = GPT(cfg).to(device)
         wrapped, finish = overlap.wrap(net, variant, 25, channel=channel)
+        if name == "bucketed pg":
+            wrapped.channel = PgHandles()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=cuda)
         def step(wrapped=wrapped, finish=finish, opt=opt):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
@@ -33,11 +54,15 @@ def rank_fn(shape, model="gpt-100m", vocab=16384):
             finish(); opt.step(); opt.zero_grad(set_to_none=True)
         steps[name] = step
     out = {}
-    for mode in ("traced", "untraced", "untraced, no gc"):
+    modes = os.environ.get("MODES", "traced,untraced,no gc").split(",")
+    modes = [m.strip() for m in modes]
+    if "no gc" in modes:
+        modes[modes.index("no gc")] = "untraced, no gc"
+    for mode in modes:
         comm.post_status_to(board if mode == "traced" else None)
         if "no gc" in mode:
             gc.collect(); gc.disable()
-        t = overlap.compare(steps, rounds=5, iters=5, warmup=2)
+        t = overlap.compare(steps, rounds=int(os.environ.get("ROUNDS", 5)), iters=5, warmup=2)
         h = {n: host_seconds(s) for n, s in steps.items()}
         gc.enable()
         out[mode] = (t, h)
@@ -48,7 +73,9 @@ def rank_fn(shape, model="gpt-100m", vocab=16384):
 if __name__ == "__main__":
     from distlab import launch
     cpu = len(sys.argv) > 1 and sys.argv[1] == "cpu"
-    for shape in ((2, 8),) if cpu else ((4, 1024), (16, 1024)):
+    shapes = [tuple(int(v) for v in s.split("x"))
+              for s in os.environ.get("SHAPES", "4x1024,16x1024").split(",")]
+    for shape in ((2, 8),) if cpu else shapes:
         res = launch.run(rank_fn, 2, shape, *(("test", 13) if cpu else ()),
                          backend="gloo" if cpu else "nccl", timeout=400)
         for mode, (t, h) in res[0].items():

@@ -6,10 +6,14 @@
 #      back to back as nccl-tests times (median of 3 runs per size), then again in a CUDA
 #      graph (no host cost per call; median of 5 runs, the fastest beside it);
 #   2b. the same at one NCCL rank, 4 KiB .. 1 GiB (what lab 01 explains);
+#   2c. python -m distlab.bench --api nccl: NCCL called through cupy, no torch per call
+#      (median of 3 runs per size), side by side with (1);
 #   3. python -m distlab.ring_bench: the reference ring (whole chunks on NCCL) against
 #      NCCL's all_reduce, busbw, 64 MiB .. 1 GiB, median and range over 15 rounds, beside
 #      pipelined variants of 64, 128 and 256 MiB pieces and "1 GiB pieces" (the same
-#      algorithm as the default at these sizes: how far two runs of one thing differ);
+#      algorithm as the default at these sizes: how far two runs of one thing differ;
+#      PIECES="" leaves them out), with the host's time to issue each call; then again
+#      in CUDA graphs (RING_GRAPH=0 skips it);
 #   4. the ring's correctness at world size 2, 1 B .. 1 GiB, odd lengths;
 #   5. the multigpu tests of the ring and the bench.
 # Everything lands in $OUT (default /tmp/issue10): *.txt logs, JSON and PNG figures.
@@ -55,16 +59,30 @@ if [ "${ONE_RANK:-1}" = 1 ]; then  # ONE_RANK=0 skips it (saves about 10 s)
     2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-1.txt"
 fi
 
-step "distlab.ring_bench: reference ring vs NCCL all_reduce, 64 MiB .. 1 GiB"
-timeout 120 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
-  --pieces 64M,128M,256M,1G --out "$OUT/ring_bench" 2>&1 | grep -v 'it/s\]' \
-  | tee "$OUT/ring_bench.txt"
+if [ "${API_NCCL:-1}" = 1 ]; then  # API_NCCL=0 skips it
+  step "distlab.bench --api nccl, 2 ranks: NCCL through cupy, back to back"
+  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" -r 3 --api nccl \
+    ${REF[@]+"${REF[@]}"} --out "$OUT/bench-nccl" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-nccl.txt"
+fi
 
+PIECES=${PIECES-64M,128M,256M,1G}
+step "distlab.ring_bench: reference ring vs NCCL all_reduce, 64 MiB .. 1 GiB"
+timeout 150 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 \
+  ${PIECES:+--pieces $PIECES} --out "$OUT/ring_bench" 2>&1 | grep -v 'it/s\]' \
+  | tee "$OUT/ring_bench.txt"
+if [ "${RING_GRAPH:-1}" = 1 ]; then
+  step "distlab.ring_bench --graph: the same in CUDA graphs (no host cost per call)"
+  timeout 150 $PY -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G -f 2 --graph \
+    --out "$OUT/ring_bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/ring_bench-graph.txt"
+fi
+
+if [ "${CHECK:-1}" = 1 ]; then  # CHECK=0 skips it
 step "ring all-reduce correctness, 2 NCCL ranks, 1 B .. 1 GiB"
 timeout 240 $PY -m distlab.ring_bench --check --backend nccl -n 2 2>&1 | grep -v 'it/s\]' \
   | tee "$OUT/ring_check.txt"
+fi
 
 step "multigpu tests of the ring and the bench"
-timeout 300 $PY -m pytest -q -m "gpu or multigpu" tests/test_ring.py tests/test_bench.py \
+timeout 300 $PY -m pytest -q -m "gpu or multigpu" tests/test_ring.py tests/test_bench.py tests/test_nccl_raw.py \
   -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest.txt"
 step "done"

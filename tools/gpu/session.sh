@@ -16,10 +16,15 @@
 #      plain work handles; the ring bench, 64 MiB .. 1 GiB (about 4 minutes)
 #   H: after the default channel became torch's handles: issue15.sh with 7 rounds of 5
 #      steps, nbval of solution 08, the gpu tiers of the exercises, comm and launch
+#   I: issue10.sh with the bench through cupy's NCCL (--api nccl) beside torch's and
+#      nccl-tests, the ring with the host's time per call and in CUDA graphs, the multigpu
+#      tests of bench, ring and nccl_raw (about 7 minutes)
+#   J: experiments: the ring's exchange through cheaper host paths (eager and graphed),
+#      the bucketed step with the process group's own allreduce, 11 rounds at 4 x 1024
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A, B, C, D, E, F, G or H}
+part=${1:?A, B, C, D, E, F, G, H, I or J}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -77,6 +82,12 @@ elif [ "$part" = H ]; then
   nbval 08_overlap:90
   run 120 gpu_tiers python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
     tests/exercises tests/test_comm.py tests/test_launch.py
+elif [ "$part" = I ]; then
+  run 420 issue10 env OUT="$RESULTS/issue10" ONE_RANK=0 PIECES= CHECK=0 bash tools/gpu/issue10.sh
+elif [ "$part" = J ]; then
+  run 200 exp_ring_host python3 tools/gpu/exp_ring_host.py 64M 128M
+  run 300 exp_overlap_host env MODES=traced ROUNDS=11 SHAPES=4x1024 \
+    python3 tools/gpu/exp_overlap_host.py
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
