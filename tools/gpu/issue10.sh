@@ -7,7 +7,8 @@
 #      graph (no host cost per call; median of 5 runs, the fastest beside it);
 #   2b. the same at one NCCL rank, 4 KiB .. 1 GiB (what lab 01 explains);
 #   2c. python -m distlab.bench --api nccl: NCCL called through cupy, no torch per call
-#      (median of 3 runs per size), side by side with (1);
+#      (median of 5 runs per size), side by side with (1);
+#   every bench with nccl-tests' counts: 10 warm-up calls, 50 timed back to back;
 #   3. python -m distlab.ring_bench: the reference ring (whole chunks on NCCL) against
 #      NCCL's all_reduce, busbw, 64 MiB .. 1 GiB, median and range over 15 rounds, beside
 #      pipelined variants of 64, 128 and 256 MiB pieces and "1 GiB pieces" (the same
@@ -26,6 +27,7 @@ export PYTHONPATH="$PWD/lib${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0
 mkdir -p "$OUT"
 SIZES=(-b 8 -e 1G -f 2)
+TIMING=(-w 10 -i 50)  # nccl-tests' -w 10 -n 50: warm-up calls, then calls timed back to back
 step() { echo; echo "=== $* ($(date +%T))"; }
 
 REF=()
@@ -44,12 +46,12 @@ else
 fi
 
 step "distlab.bench, 2 NCCL ranks, back to back"
-timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" -r 3 ${REF[@]+"${REF[@]}"} \
+timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" "${TIMING[@]}" -r 3 ${REF[@]+"${REF[@]}"} \
   --out "$OUT/bench" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench.txt"
 
 if [ "${GRAPH:-1}" = 1 ]; then  # GRAPH=0 skips it (saves about 25 s)
   step "distlab.bench, 2 NCCL ranks, in a CUDA graph"
-  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" --graph --each 0 -r 5 \
+  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" "${TIMING[@]}" --graph --each 0 -r 5 \
     ${REF[@]+"${REF[@]}"} --out "$OUT/bench-graph" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-graph.txt"
 fi
 
@@ -61,7 +63,7 @@ fi
 
 if [ "${API_NCCL:-1}" = 1 ]; then  # API_NCCL=0 skips it
   step "distlab.bench --api nccl, 2 ranks: NCCL through cupy, back to back"
-  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" -r 3 --api nccl \
+  timeout 240 $PY -m distlab.bench -n 2 --backend nccl "${SIZES[@]}" "${TIMING[@]}" -r 5 --api nccl \
     ${REF[@]+"${REF[@]}"} --out "$OUT/bench-nccl" 2>&1 | grep -v 'it/s\]' | tee "$OUT/bench-nccl.txt"
 fi
 

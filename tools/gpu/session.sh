@@ -21,10 +21,15 @@
 #      tests of bench, ring and nccl_raw (about 7 minutes)
 #   J: experiments: the ring's exchange through cheaper host paths (eager and graphed),
 #      the bucketed step with the process group's own allreduce, 11 rounds at 4 x 1024
+#   L: issue10.sh with nccl-tests' counts (10 warm-up, 50 timed calls), then overlap_bench
+#      at 4 x 1024 tokens on NVLink and through host memory, 15 rounds (about 7 minutes)
+#   K (4 GPUs, nvidia-h200-x4): the ring's correctness and bench (eager and graphed), the
+#      bench through cupy beside nccl-tests, the gpu/multigpu tests of ring, bench,
+#      nccl_raw, dp, overlap and the exercises, all at 4 ranks
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A, B, C, D, E, F, G, H, I or J}
+part=${1:?A to L}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -88,6 +93,30 @@ elif [ "$part" = J ]; then
   run 200 exp_ring_host python3 tools/gpu/exp_ring_host.py 64M 128M
   run 300 exp_overlap_host env MODES=traced ROUNDS=11 SHAPES=4x1024 \
     python3 tools/gpu/exp_overlap_host.py
+elif [ "$part" = L ]; then
+  run 330 issue10 env OUT="$RESULTS/issue10" ONE_RANK=0 PIECES= CHECK=0 bash tools/gpu/issue10.sh
+  run 220 overlap python3 -m distlab.overlap_bench --links nvlink,host --shapes 4x1024 \
+    --rounds 15 --iters 5 --out "$RESULTS/overlap"
+elif [ "$part" = K ]; then
+  n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  run 90 ring_check python3 -m distlab.ring_bench --check --backend nccl -n "$n"
+  for g in "" --graph; do
+    run 80 "ring_bench$g" python3 -m distlab.ring_bench --backend nccl -n "$n" -b 64M -e 1G \
+      -f 2 $g --out "$RESULTS/ring_bench$g"
+  done
+  if [ -x /tmp/nt/all_reduce_perf ]; then
+    mkdir -p "$RESULTS/nccl-tests"
+    NH=$(python3 -c "import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])" 2>/dev/null)
+    for op in all_reduce all_gather reduce_scatter broadcast reduce sendrecv; do
+      LD_LIBRARY_PATH="$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" timeout 60 \
+        /tmp/nt/${op}_perf -b 8 -e 1G -f 4 -g "$n" -w 10 -n 50 > "$RESULTS/nccl-tests/${op}_perf.txt" 2>&1
+    done
+  fi
+  run 120 bench_nccl python3 -m distlab.bench -n "$n" --backend nccl -b 8 -e 1G -f 4 -w 10 -i 50 \
+    -r 3 --api nccl --nccl-tests "$RESULTS/nccl-tests" --out "$RESULTS/bench-nccl"
+  run 240 gpu_tests python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
+    tests/test_ring.py tests/test_bench.py tests/test_nccl_raw.py tests/test_dp.py \
+    tests/test_overlap.py tests/exercises
 else
   run 200 issue15 env OUT="$RESULTS/issue15" bash tools/gpu/issue15.sh
   run 170 issue16 env OUT="$RESULTS/issue16" bash tools/gpu/issue16.sh
