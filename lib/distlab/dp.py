@@ -269,9 +269,10 @@ class DataParallel(_Replicated):
                 b.attach()
         return self.module(*args, **kwargs)
 
-    def _on_grad(self, bucket: _Bucket, j: int, p: nn.Parameter) -> None:
-        """The hook: parameter ``j`` of ``bucket`` has its gradient for this backward.
+    def _on_grad(self, i: int, j: int) -> None:
+        """The hook: parameter ``j`` of bucket ``i`` has its gradient for this backward.
         Kept lean: it runs once per parameter per step, on the host's critical path."""
+        bucket = self.buckets[i]
         if not self.require_sync:
             bucket.fresh.discard(j)  # a no_sync backward wrote it: a gradient, if not this one's
             return
@@ -280,10 +281,6 @@ class DataParallel(_Replicated):
                 "a gradient arrived for a bucket that was already all-reduced this step: call "
                 "finish_gradient_synchronization() after every backward, and run the extra "
                 "backward passes of gradient accumulation inside no_sync()")
-        grad = p.grad
-        if grad.is_sparse:
-            raise ValueError("DataParallel handles dense gradients only; build embeddings "
-                             "with sparse=False")
         _into_bucket(bucket, j)
         bucket.ready.add(j)
         if len(bucket.ready) == len(bucket.params):
@@ -297,9 +294,7 @@ class DataParallel(_Replicated):
             if not flush and len(bucket.ready) < len(bucket.params):
                 return
             bucket.flags.fill_(1)
-            for j, p in enumerate(bucket.params):
-                if j in bucket.ready:
-                    continue
+            for j in _waiting(bucket):
                 if _no_gradient(bucket, j):  # none here this step: contribute zeros
                     bucket.views[j].zero_()
                     bucket.flags[j] = 0
@@ -313,8 +308,7 @@ class DataParallel(_Replicated):
         ``.grad`` the mean over the group (unless inside :meth:`no_sync`)."""
         if not self.require_sync or not self.buckets:
             return
-        missing = [(b, j) for b in self.buckets for j in range(len(b.params))
-                   if j not in b.ready and _no_gradient(b, j)]
+        missing = [(b, j) for b in self.buckets for j in _waiting(b) if _no_gradient(b, j)]
         self._launch(flush=True)
         self.channel.wait([b.handle for b in self.buckets])
         if missing:  # did any rank produce these gradients? (one host read, rare steps)
@@ -332,10 +326,18 @@ class DataParallel(_Replicated):
         return [b.nbytes for b in self.buckets]
 
 
-def _grad_ready(wrapper_ref, i, j, p) -> None:
+def _grad_ready(wrapper_ref, i, j, _param) -> None:
     wrapper = wrapper_ref()
     if wrapper is not None:   # a wrapper that was dropped leaves its module alone
-        wrapper._on_grad(wrapper.buckets[i], j, p)
+        wrapper._on_grad(i, j)
+
+
+def _waiting(bucket: _Bucket) -> list[int]:
+    """Positions of ``bucket`` whose gradient this backward has not produced (none, in
+    the common step: no walk over its parameters then)."""
+    if len(bucket.ready) == len(bucket.params):
+        return []
+    return [j for j in range(len(bucket.params)) if j not in bucket.ready]
 
 
 def _no_gradient(bucket: _Bucket, j: int) -> bool:
@@ -349,10 +351,14 @@ def _into_bucket(bucket: _Bucket, j: int) -> None:
     """Make parameter ``j``'s ``.grad`` its view of ``bucket``, copying the gradient in
     where autograd made a tensor of its own (``.grad`` None without forward's view, or
     replaced by a backward with ``create_graph=True``)."""
-    p, view = bucket.params[j], bucket.views[j]
-    if p.grad.data_ptr() != bucket.ptrs[j]:
-        view.copy_(p.grad)
-        p.grad = view
+    p = bucket.params[j]
+    grad = p.grad
+    if grad.is_sparse:
+        raise ValueError("DataParallel handles dense gradients only; build embeddings "
+                         "with sparse=False")
+    if grad.data_ptr() != bucket.ptrs[j]:
+        bucket.views[j].copy_(grad)
+        p.grad = bucket.views[j]
 
 
 def _check_devices(module: nn.Module) -> None:

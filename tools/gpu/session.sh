@@ -23,6 +23,8 @@
 #      the bucketed step with the process group's own allreduce, 11 rounds at 4 x 1024
 #   L: issue10.sh with nccl-tests' counts (10 warm-up, 50 timed calls), then overlap_bench
 #      at 4 x 1024 tokens on NVLink and through host memory, 15 rounds (about 7 minutes)
+#   M: overlap_bench on NVLink and through host memory, 16 x 1024 and 4 x 1024 tokens,
+#      21 rounds of 5 steps (about 4 minutes)
 #   K (4 GPUs, nvidia-h200-x4): the ring's correctness and bench (eager and graphed), the
 #      bench through cupy beside nccl-tests, the gpu/multigpu tests of ring, bench,
 #      nccl_raw, dp, overlap and the exercises, all at 4 ranks
@@ -97,6 +99,9 @@ elif [ "$part" = L ]; then
   run 330 issue10 env OUT="$RESULTS/issue10" ONE_RANK=0 PIECES= CHECK=0 bash tools/gpu/issue10.sh
   run 220 overlap python3 -m distlab.overlap_bench --links nvlink,host --shapes 4x1024 \
     --rounds 15 --iters 5 --out "$RESULTS/overlap"
+elif [ "$part" = M ]; then
+  run 500 overlap python3 -m distlab.overlap_bench --links nvlink,host --shapes 16x1024,4x1024 \
+    --rounds 21 --iters 5 --out "$RESULTS/overlap"
 elif [ "$part" = K ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")
   run 90 ring_check python3 -m distlab.ring_bench --check --backend nccl -n "$n"
