@@ -25,6 +25,8 @@
 #      at 4 x 1024 tokens on NVLink and through host memory, 15 rounds (about 7 minutes)
 #   M: overlap_bench on NVLink and through host memory, 16 x 1024 and 4 x 1024 tokens,
 #      21 rounds of 5 steps (about 4 minutes)
+#   N: after the hook's trim: overlap_bench at 4 x 1024 tokens on NVLink and through host
+#      memory, 21 rounds; the gpu tiers of dp, overlap and the exercises; nbval of 08
 #   K (4 GPUs, nvidia-h200-x4): the ring's correctness and bench (eager and graphed), the
 #      bench through cupy beside nccl-tests, the gpu/multigpu tests of ring, bench,
 #      nccl_raw, dp, overlap and the exercises, all at 4 ranks
@@ -102,6 +104,12 @@ elif [ "$part" = L ]; then
 elif [ "$part" = M ]; then
   run 500 overlap python3 -m distlab.overlap_bench --links nvlink,host --shapes 16x1024,4x1024 \
     --rounds 21 --iters 5 --out "$RESULTS/overlap"
+elif [ "$part" = N ]; then
+  run 200 overlap python3 -m distlab.overlap_bench --links nvlink,host --shapes 4x1024 \
+    --rounds 21 --iters 5 --out "$RESULTS/overlap"
+  run 150 gpu_tiers python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
+    tests/test_dp.py tests/test_overlap.py tests/exercises
+  nbval 08_overlap:120
 elif [ "$part" = K ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")
   run 90 ring_check python3 -m distlab.ring_bench --check --backend nccl -n "$n"
