@@ -4,6 +4,7 @@
     python -m distlab.ring_bench --op reduce_scatter   # ring vs the backend's reduce-scatter
     python -m distlab.ring_bench --backend nccl --world-size 2 -b 64M -e 1G -f 2
     python -m distlab.ring_bench ... --pieces 128M,1G  # the reference with other piece sizes
+    python -m distlab.ring_bench --backend nccl -n 2 -b 64M -e 1G --graph  # the GPU's time alone
 
 Three contenders per size: the backend's collective, :func:`plain_ring_allreduce` (the
 straightforward ring: a fresh buffer per step, ``+=``, a copy back at the end) and the
@@ -16,7 +17,11 @@ a ring of many traced calls would otherwise pay bookkeeping that the backend's o
 does not). Each ratio is ``time(backend) / time(contender)`` in the same round, i.e.
 the contender's busbw over the backend's; the table gives its median over the rounds
 and its range (min-max), which says how much of a difference is noise. busbw follows
-nccl-tests (:func:`distlab.comm.bus_factor`).
+nccl-tests (:func:`distlab.comm.bus_factor`). Beside each time per call stands the host's
+time to issue one call: a ring issued from Python pays for every exchange on the host,
+and where that nears the GPU's time per call the host, not the link, sets the pace.
+``--graph`` (GPUs) captures each contender's calls, the backend's too, in a CUDA graph and
+times its replay: the GPU's work alone.
 """
 from __future__ import annotations
 
