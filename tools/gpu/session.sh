@@ -27,6 +27,8 @@
 #      21 rounds of 5 steps (about 4 minutes)
 #   N: after the hook's trim: overlap_bench at 4 x 1024 tokens on NVLink and through host
 #      memory, 21 rounds; the gpu tiers of dp, overlap and the exercises; nbval of 08
+#   O: where a step's host time goes at 4 x 1024 tokens (exp_profile_dp.py): forward,
+#      backward, finish and optimizer of bucketed, DDP and naive, and the hooks' own time
 #   K (4 GPUs, nvidia-h200-x4): the ring's correctness and bench (eager and graphed), the
 #      bench through cupy beside nccl-tests, the gpu/multigpu tests of ring, bench,
 #      nccl_raw, dp, overlap and the exercises, all at 4 ranks
@@ -110,6 +112,8 @@ elif [ "$part" = N ]; then
   run 150 gpu_tiers python3 -m pytest -q -rfEs -p no:cacheprovider -m "gpu or multigpu" \
     tests/test_dp.py tests/test_overlap.py tests/exercises
   nbval 08_overlap:120
+elif [ "$part" = O ]; then
+  run 200 exp_profile_dp python3 tools/gpu/exp_profile_dp.py
 elif [ "$part" = K ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")
   run 90 ring_check python3 -m distlab.ring_bench --check --backend nccl -n "$n"
