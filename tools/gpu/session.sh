@@ -29,13 +29,13 @@
 #      memory, 21 rounds; the gpu tiers of dp, overlap and the exercises; nbval of 08
 #   O: where a step's host time goes at 4 x 1024 tokens (exp_profile_dp.py): forward,
 #      backward, finish and optimizer of bucketed, DDP and naive, and the hooks' own time
-#   K (4 GPUs, nvidia-h200-x4): the ring's correctness and bench (eager and graphed), the
+#   K (4 GPUs, nvidia-h200-x4; N from the GPUs present, so it also runs on two): the ring's correctness and bench (eager and graphed), the
 #      bench through cupy beside nccl-tests, the gpu/multigpu tests of ring, bench,
-#      nccl_raw, dp, overlap and the exercises, all at 4 ranks
+#      nccl_raw, dp, overlap and the exercises, at every GPU of the machine
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A to L}
+part=${1:?A to O, or K}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
