@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of labs 01-08 on two NVLink GPUs, in parts that each fit a 10-minute
-# call:  bash tools/gpu/session.sh A|B|C|D  (from the repository root).
+# call:  bash tools/gpu/session.sh PART, PART one of A to O (from the repository root).
 #   A: issue10.sh (bench against nccl-tests, the ring), issue11.sh (ZeRO), pp_bench (lab 07)
 #   B: issue15.sh (overlap), issue16.sh (TP), the gpu tiers of every exercise, nbval 01-03
 #   C: the re-runs after fixes: issue10.sh (eager, 2 ranks), pp_bench and its tests, issue16.sh,
