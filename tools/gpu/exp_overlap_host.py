@@ -1,9 +1,12 @@
 """Where the bucketed step's host time goes at 4 x 1024 tokens (98M GPT, 2 NCCL ranks):
 step time and host time per step of naive, DDP and bucketed with the tracer's status
 board on or off, the comm-stream or plain-handles channel, the process group's own
-allreduce (C++, no torch.distributed Python per call), and the GC on or off.
-Env: MODES (comma-separated, default all three), ROUNDS (5), SHAPES (4x1024,16x1024)."""
-import gc, os, sys
+allreduce (C++, no torch.distributed Python per call), one hook per bucket instead of
+one per parameter ("bucketed sentinel": an upper bound on what fewer hooks could win,
+with no guard, so right only for a graph that never changes), and the GC on or off.
+Env: MODES (comma-separated, default all three), ROUNDS (5), SHAPES (4x1024,16x1024),
+VARIANTS (comma-separated names, default all)."""
+import functools, gc, os, sys
 import torch, torch.distributed as dist, torch.nn.functional as F
 
 
@@ -23,6 +26,27 @@ class PgHandles:
             h.wait()
 
 
+def sentinel_hooks(wrapped, step):
+    """Run ``step`` once with every hook, noting the order gradients arrive in; then keep
+    one hook per bucket, on its last-arriving parameter, which marks the whole bucket
+    ready (no check that the others arrived: an experiment, not a design)."""
+    order = []
+    wrapped._on_grad = lambda i, j: (order.append((i, j)), type(wrapped)._on_grad(wrapped, i, j))
+    step()
+    del wrapped._on_grad
+    last = dict(order)  # bucket -> its last-arriving position
+    for h in wrapped._hooks:
+        h.remove()
+
+    def ready(i, _param):
+        b = wrapped.buckets[i]
+        if wrapped.require_sync:
+            b.ready.update(range(len(b.params)))
+            wrapped._launch(flush=False)
+    wrapped._hooks = [wrapped.buckets[i].params[j].register_post_accumulate_grad_hook(
+        functools.partial(ready, i)) for i, j in last.items()]
+
+
 def rank_fn(shape, model="gpt-100m", vocab=16384):
     from distlab import backend, comm, overlap
     from distlab.model import GPT, config
@@ -36,9 +60,12 @@ def rank_fn(shape, model="gpt-100m", vocab=16384):
                       generator=torch.Generator(device=device).manual_seed(rank))
     variants = {"naive": ("naive", "auto"), "DDP": ("torch DDP", "auto"),
                 "bucketed stream": ("bucketed", "stream"), "bucketed handles": ("bucketed", "handles"),
-                "bucketed pg": ("bucketed", "handles")}
+                "bucketed pg": ("bucketed", "handles"), "bucketed sentinel": ("bucketed", "handles")}
     if not cuda:
         del variants["bucketed stream"]
+    chosen = os.environ.get("VARIANTS")
+    if chosen:
+        variants = {k: v for k, v in variants.items() if k in chosen.split(",")}
     steps = {}
     for name, (variant, channel) in variants.items():
         torch.manual_seed(0)
@@ -52,6 +79,8 @@ def rank_fn(shape, model="gpt-100m", vocab=16384):
                 logits = wrapped(x[:, :-1])
             F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten()).backward()
             finish(); opt.step(); opt.zero_grad(set_to_none=True)
+        if name == "bucketed sentinel":
+            sentinel_hooks(wrapped, step)
         steps[name] = step
     out = {}
     modes = os.environ.get("MODES", "traced,untraced,no gc").split(",")

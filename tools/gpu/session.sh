@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runs of labs 01-08 on two NVLink GPUs, in parts that each fit a 10-minute
-# call:  bash tools/gpu/session.sh PART, PART one of A to O (from the repository root).
+# call:  bash tools/gpu/session.sh PART, PART one of A to P (from the repository root).
 #   A: issue10.sh (bench against nccl-tests, the ring), issue11.sh (ZeRO), pp_bench (lab 07)
 #   B: issue15.sh (overlap), issue16.sh (TP), the gpu tiers of every exercise, nbval 01-03
 #   C: the re-runs after fixes: issue10.sh (eager, 2 ranks), pp_bench and its tests, issue16.sh,
@@ -29,13 +29,15 @@
 #      memory, 21 rounds; the gpu tiers of dp, overlap and the exercises; nbval of 08
 #   O: where a step's host time goes at 4 x 1024 tokens (exp_profile_dp.py): forward,
 #      backward, finish and optimizer of bucketed, DDP and naive, and the hooks' own time
+#   P: one hook per bucket against one per parameter (exp_overlap_host.py's "bucketed
+#      sentinel"), 21 rounds at 4 x 1024 tokens, on NVLink and through host memory
 #   K (4 GPUs, nvidia-h200-x4; N from the GPUs present, so it also runs on two): the ring's correctness and bench (eager and graphed), the
 #      bench through cupy beside nccl-tests, the gpu/multigpu tests of ring, bench,
 #      nccl_raw, dp, overlap and the exercises, at every GPU of the machine
 # Each step has its own time limit; whatever ran lands in $RESULTS (default /tmp/gpu-PART)
 # and, when $OUT is set (the device tool), in $OUT/gpu-PART.tgz.
 set -u
-part=${1:?A to O, or K}
+part=${1:?A to P, or K}
 RESULTS=${RESULTS:-/tmp/gpu-$part}
 mkdir -p "$RESULTS"
 source tools/gpu/prelude.sh > "$RESULTS/prelude.txt" 2>&1
@@ -114,6 +116,12 @@ elif [ "$part" = N ]; then
   nbval 08_overlap:120
 elif [ "$part" = O ]; then
   run 200 exp_profile_dp python3 tools/gpu/exp_profile_dp.py
+elif [ "$part" = P ]; then
+  for link in nvlink host; do
+    run 150 "exp_sentinel_$link" env MODES=traced ROUNDS=21 SHAPES=4x1024 \
+      VARIANTS="naive,DDP,bucketed handles,bucketed sentinel" \
+      $([ $link = host ] && echo NCCL_P2P_DISABLE=1) python3 tools/gpu/exp_overlap_host.py
+  done
 elif [ "$part" = K ]; then
   n=$(python3 -c "import torch; print(torch.cuda.device_count())")
   run 90 ring_check python3 -m distlab.ring_bench --check --backend nccl -n "$n"
