@@ -15,7 +15,7 @@ of the machine, the median of several rarely is.
 
 Where the GPU is faster than the host, back to back is not enough. Each call through
 torch's Python API costs the host its own time (argument checks, the dispatch to the
-process group, the work object: about 40 us per call on the H200 machine), which
+process group, the work object: 25-40 us per call on the H200 machines), which
 nccl-tests' C loop does not pay; a collective that takes the GPU less than that runs
 at the host's pace, and the time per op is the host's. That is what a Python program
 really pays per call, and worth knowing (lab 01). Two ways take it out:
@@ -239,31 +239,32 @@ def _op(op: str, nbytes: int, dtype: torch.dtype, group, raw=None):
     return call, count
 
 
-def _raw_op(op: str, count: int, buffer, comm):
-    """``op`` as one call of ``cupy.cuda.nccl`` on buffers made by ``buffer(numel)``, its
-    arguments (raw pointers, counts, datatype, the current stream) worked out here, so
-    that a call costs the host what nccl-tests' C loop pays plus one Python call: the
-    time per op is NCCL's own, where torch's API adds its Python and C++ per call."""
+def _raw_op(op: str, count: int, buffer, nc):
+    """``op`` as one call on ``nc``, a ``cupy.cuda.nccl`` communicator, on buffers made by
+    ``buffer(numel)``, its arguments (raw pointers, counts, datatype, the current stream)
+    worked out here, so that a call costs the host what nccl-tests' C loop pays plus one
+    Python call: the time per op is NCCL's own, where torch's API adds its Python and
+    C++ per call."""
     from distlab import nccl_raw
 
-    m, n, rank = nccl_raw.nccl(), comm.size(), comm.rank_id()
+    m, n, rank = nccl_raw.nccl(), nc.size(), nc.rank_id()
     stream = torch.cuda.current_stream().cuda_stream
     if op in ("all_reduce", "broadcast", "reduce"):
         t = buffer(count)
         ptr, numel, dt = nccl_raw.pointer(t)
-        args = {"all_reduce": (comm.allReduce, ptr, ptr, numel, dt, m.NCCL_SUM, stream),
-                "broadcast": (comm.broadcast, ptr, ptr, numel, dt, 0, stream),
-                "reduce": (comm.reduce, ptr, ptr, numel, dt, m.NCCL_SUM, 0, stream)}[op]
+        args = {"all_reduce": (nc.allReduce, ptr, ptr, numel, dt, m.NCCL_SUM, stream),
+                "broadcast": (nc.broadcast, ptr, ptr, numel, dt, 0, stream),
+                "reduce": (nc.reduce, ptr, ptr, numel, dt, m.NCCL_SUM, 0, stream)}[op]
         return _holding(functools.partial(*args), t)
     if op in ("all_gather", "reduce_scatter"):
         small, big = buffer(count // n), buffer(count)
     if op == "all_gather":
         send, numel, dt = nccl_raw.pointer(small)
-        return _holding(functools.partial(comm.allGather, send, nccl_raw.pointer(big)[0],
+        return _holding(functools.partial(nc.allGather, send, nccl_raw.pointer(big)[0],
                                           numel, dt, stream), small, big)
     if op == "reduce_scatter":
         recv, numel, dt = nccl_raw.pointer(small)
-        return _holding(functools.partial(comm.reduceScatter, nccl_raw.pointer(big)[0], recv,
+        return _holding(functools.partial(nc.reduceScatter, nccl_raw.pointer(big)[0], recv,
                                           numel, dt, m.NCCL_SUM, stream), small, big)
     a, b = buffer(count), buffer(count)
     (send, numel, dt), recv = nccl_raw.pointer(a), nccl_raw.pointer(b)[0]
@@ -271,8 +272,8 @@ def _raw_op(op: str, count: int, buffer, comm):
 
     def call():  # nccl-tests' sendrecv: one group, send to the next, receive from the previous
         m.groupStart()
-        comm.send(send, numel, dt, nxt, stream)
-        comm.recv(recv, numel, dt, prv, stream)
+        nc.send(send, numel, dt, nxt, stream)
+        nc.recv(recv, numel, dt, prv, stream)
         m.groupEnd()
     return _holding(call, a, b)
 
