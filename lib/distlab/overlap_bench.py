@@ -22,8 +22,8 @@ variants interleaved round after round (:func:`distlab.overlap.compare`), then o
 of each under ``torch.profiler``. NCCL kernels are communication, every other kernel
 computation (:func:`distlab.trace.kernel_timeline`); "hidden" is the share of the NCCL
 kernels' time during which some compute kernel ran. Beside each step time, the host's
-time to issue one step (:func:`distlab.bench.host_seconds`): where the two are close the step is bound
-by the host, and Python hooks cost step time. Writes ``overlap_bench.json``, rank
+time to issue one step (:func:`distlab.bench.host_seconds`): where the two are close the
+step is bound by the host, and Python hooks cost step time. Writes ``overlap_bench.json``, rank
 0's Chrome traces (``trace_<link>_<tokens>_<variant>.json.gz``, open them in
 https://ui.perfetto.dev) and a picture of one step per link drawn from those traces
 (``timeline_<link>.png``). NCCL_NVLS_ENABLE=0 is set (NVLink multicast stays off on
@@ -94,8 +94,8 @@ def bench_rank(shapes, variants, workdir: str, model: str = "gpt-100m",
                channel: str = "auto", all_traces: bool = False) -> dict:
     """In each rank: the link's busbw, then for each batch shape the step time of each
     variant, the host's time to issue one step (:func:`distlab.bench.host_seconds`) and
-    the hidden fraction from one profiled step. Rank 0 keeps its traces in ``workdir`` (every rank
-    with ``all_traces``). ``channel``: that of the bucketed and per-parameter variants
+    the hidden fraction from one profiled step. Rank 0 keeps its traces in ``workdir``
+    (every rank with ``all_traces``). ``channel``: that of the bucketed and per-parameter variants
     (:func:`distlab.overlap.channel`). Returns plain data."""
     import torch
     import torch.distributed as dist
@@ -172,8 +172,7 @@ def table(results: dict) -> str:
             ms = lambda v: f"{1e3 * s[v]:7.1f}ms" if v in s else f"{'-':>9}"  # noqa: E731
             ratio = lambda v: f"{s[v] / s['torch DDP']:.3f}" if v in s and "torch DDP" in s \
                 else "-"  # noqa: E731
-            host = [max(pr["shapes"][shape].get("host_seconds", {}).get(v, float("nan"))
-                        for pr in per_rank) for v in VARIANTS]
+            host = [r.get("host_seconds", {}).get(v, float("nan")) for v in VARIANTS]
             lines.append(f"{link:7} {r0['busbw'] / 1e9:6.1f}GB/s {shape:>8} {ms('naive')} "
                          f"{ms('bucketed')} {ms('torch DDP')} {ratio('bucketed'):>8} "
                          f"{ratio('naive'):>9}  " + " / ".join(f"{h:.0%}" for h in hidden)
@@ -195,7 +194,6 @@ def main(argv=None) -> int:
     import torch
 
     from distlab import backend
-
     from distlab.overlap import CHANNELS
 
     p = argparse.ArgumentParser(prog="python -m distlab.overlap_bench",
