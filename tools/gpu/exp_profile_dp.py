@@ -36,7 +36,7 @@ def rank_fn(shape, model="gpt-100m", vocab=16384, steps=20):
         opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=cuda)
         parts = {"forward": [], "backward": [], "finish": [], "optimizer": [], "step": []}
 
-        def step(record):
+        def step(record, wrapped=wrapped, finish=finish, opt=opt):
             t0 = time.perf_counter()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
                 logits = wrapped(x[:, :-1])

@@ -3,7 +3,7 @@ beside variants whose exchange costs the host less: torch's coalescing manager w
 P2POp objects, and the process group's own send/recv between _start/_end_coalescing.
 Eager and in CUDA graphs. Run: python3 tools/gpu/exp_ring_host.py [sizes...]"""
 import functools, sys
-import torch, torch.distributed as dist
+import torch.distributed as dist
 from distlab import ring, ring_bench
 from distlab.bench import parse_size
 
