@@ -57,18 +57,18 @@ test-browser: $(STAMP) ## only the browser test: JupyterLab in headless Chromium
 	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)
 
 grade: $(STAMP) ## grade your labs (all, or LAB=03) and write grade-report.json
-	$(PY) -m distlab.grade $(if $(LAB),labs/$(LAB)_*.ipynb,labs/*.ipynb) --json grade-report.json
+	$(PY) -m distlab.grading $(if $(LAB),labs/$(LAB)_*.ipynb,labs/*.ipynb) --json grade-report.json
 
 nbval: $(STAMP) ## check that the solution notebooks reproduce their outputs
 	$(PY) -m pytest -q --nbval --nbval-current-env solutions $(PYTEST_ARGS)
 
 labs: $(STAMP) ## regenerate labs/ from solutions/ (answers replaced by stubs)
-	$(PY) -m distlab.notebook release solutions labs
+	$(PY) -m distlab.grading.notebook release solutions labs
 
 bench: $(STAMP) ## launch cost, bandwidth sweeps of the collectives and of the ring all-reduce
-	$(PY) -m distlab.launch_bench
-	$(PY) -m distlab.bench
-	$(PY) -m distlab.ring_bench
+	$(PY) -m distlab.bench.launch
+	$(PY) -m distlab.bench.collectives
+	$(PY) -m distlab.bench.ring
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) build lib/*.egg-info grade-report.json

@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import alphabeta, bench, launch
+from distlab import launch
+from distlab.bench import alphabeta
+from distlab.bench import collectives as bench
+from distlab.bench import timing
 from distlab.comm import bus_factor
 
 
@@ -20,7 +23,7 @@ def _timed_sleeps():
         calls.append(1)
         time.sleep(0.02 * (rank + 1))        # rank 3 is the slowest: 80 ms
 
-    seconds = bench.time_op(fn, warmup=1, iters=3)
+    seconds = timing.time_op(fn, warmup=1, iters=3)
     return seconds, len(calls)
 
 
@@ -33,13 +36,13 @@ def test_time_op_is_the_slowest_rank_and_the_same_everywhere():
 
 def test_time_op_is_the_run_over_its_length_and_time_each_the_median():
     durations = iter([0.3, 0.0, 0.0, 0.0, 0.2])   # warm-up (not timed), then 4 calls
-    assert 0.05 <= bench.time_op(lambda: time.sleep(next(durations)), warmup=1, iters=4) < 0.15
+    assert 0.05 <= timing.time_op(lambda: time.sleep(next(durations)), warmup=1, iters=4) < 0.15
     durations = iter([0.0, 0.0, 0.2])
-    assert bench.time_each(lambda: time.sleep(next(durations)), iters=3) < 0.1
+    assert timing.time_each(lambda: time.sleep(next(durations)), iters=3) < 0.1
     with pytest.raises(ValueError):
-        bench.time_op(lambda: None, iters=0)
+        timing.time_op(lambda: None, iters=0)
     with pytest.raises(ValueError, match="GPU"):
-        bench.time_op(lambda: None, graph=True)
+        timing.time_op(lambda: None, graph=True)
 
 
 def test_time_runs_repeats_the_whole_run():
@@ -50,11 +53,11 @@ def test_time_runs_repeats_the_whole_run():
         calls.append(1)
         time.sleep(next(durations))
 
-    runs = bench.time_runs(fn, warmup=1, iters=2, repeats=3)
+    runs = timing.time_runs(fn, warmup=1, iters=2, repeats=3)
     assert len(calls) == 9, "each run: its warm-up call, then 2 timed calls"
     assert len(runs) == 3 and runs[1] >= 0.25 and max(runs[0], runs[2]) < 0.1, runs
     with pytest.raises(ValueError, match="repeats"):
-        bench.time_runs(lambda: None, repeats=0)
+        timing.time_runs(lambda: None, repeats=0)
 
 
 def _sweep(ops, sizes, each=0, repeats=1):

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import broadcast, launch
+from distlab import launch
+from distlab.collectives import broadcast
 from distlab.comm import CommLog
 from distlab.grading import expect_close
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from exercises import dp_cases
-from exercises.dp_cases import Branchy, branchy_backward, branchy_means, local_loss
+import dp_cases
+from dp_cases import Branchy, branchy_backward, branchy_means, local_loss
 
 from distlab import backend, launch
 from distlab.comm import CommLog
 from distlab.dp import (MB, DataParallel, OneShotDataParallel, allreduce_gradients,
                         plan_buckets)
-from distlab.trace import StepRecorder
+from distlab.bench.trace import StepRecorder
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab import grading, notebook
+from distlab.grading import runner
+from distlab.grading import notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +31,7 @@ def _lab00_with(tmp_path, body: str) -> Path:
 
 def test_a_wrong_answer_fails_with_the_first_check_in_plain_words(tmp_path):
     path = _lab00_with(tmp_path, "    dist.all_reduce(tensor, group=group)\n    return tensor\n")
-    (r,) = grading.grade(path, only=["all_reduce_mean"])
+    (r,) = runner.grade(path, only=["all_reduce_mean"])
     assert r.verdict in ("partial", "fail") and r.points < r.max_points
     assert r.points >= 1, "world size 1 is right even without dividing"
     assert "elements are wrong" in r.message and "mean over the" in r.message, r.message
@@ -44,10 +45,10 @@ def test_a_deadlock_is_reported_as_such_within_the_time_limit(tmp_path):
         "def _call(fn):\n    fn(torch.ones(3))\n\n"
         "def test_two_ranks(student):\n"
         "    launch.run(_call, 2, student.all_reduce_mean, backend='gloo', timeout=3)\n")
-    (tests / "conftest.py").write_text((ROOT / "tests/exercises/conftest.py").read_text())
+    (tests / "conftest.py").write_text((runner.TESTS / "conftest.py").read_text())
     path = _lab00_with(tmp_path, "    if dist.get_rank() == 0:\n"
                                  "        dist.all_reduce(tensor, group=group)\n    return tensor\n")
-    (r,) = grading.grade(path, tests_dir=tests)
+    (r,) = runner.grade(path, tests_dir=tests)
     assert r.seconds < 120, "the 3 s launch timeout, not the exercise's 300 s, ended it"
     assert r.verdict == "deadlock" and r.points == 0
     assert "rank 0 waiting in all_reduce" in r.message, r.message
@@ -55,7 +56,7 @@ def test_a_deadlock_is_reported_as_such_within_the_time_limit(tmp_path):
 
 def test_a_runaway_answer_is_stopped_by_the_exercise_time_limit(tmp_path):
     path = _lab00_with(tmp_path, "    import time\n    time.sleep(3600)\n")
-    (r,) = grading.grade(path, timeout=15)
+    (r,) = runner.grade(path, timeout=15)
     assert r.seconds < 15 + 90, "stopped soon after the exercise's time limit"
     assert r.verdict == "timeout" and r.points == 0, r
     assert "endless loop" in r.message or "within 15 s" in r.message, r.message
@@ -232,7 +233,7 @@ def test_an_exercise_that_breaks_at_import_keeps_its_points_in_the_maximum(
         if notebook.grade_id(cell) == "all_reduce_mean":
             cell.source = body + cell.source
     nbformat.write(nb, path)
-    (r,) = grading.grade(path)
+    (r,) = runner.grade(path)
     assert r.points == 0 and r.max_points >= 5, r
     assert says in r.message, r.message
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab import grading
+from distlab.grading import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted((ROOT / "labs").glob("*.ipynb"))
@@ -15,7 +15,7 @@ LABS = sorted((ROOT / "labs").glob("*.ipynb"))
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
 def test_untouched_labs_score_zero_without_running_them(path):
     start = time.monotonic()
-    results = grading.grade(path)
+    results = runner.grade(path)
     assert results, f"{path.name} has no exercises"
     for r in results:
         assert (r.points, r.verdict) == (0, "not attempted"), (path.name, r)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from distlab import grading
+from distlab.grading import runner
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -13,7 +13,7 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=[p.stem for p in SOLUTIONS])
 def test_solutions_score_full_marks(path):
-    results = grading.grade(path)
+    results = runner.grade(path)
     assert results, f"{path.name} has no exercises"
     for r in results:
         assert r.verdict == "pass" and r.points == r.max_points > 0, (

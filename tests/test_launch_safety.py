@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import launch, sandbox
+from distlab import launch
 from distlab.comm import StatusBoard
-from distlab.forkserver import ForkServer, ForkServerError
+from distlab.grading import sandbox
+from distlab.runtime import pool as pool_module
+from distlab.runtime.forkserver import ForkServer, ForkServerError
 
 _GUARD = """
 import os
@@ -207,7 +209,7 @@ def test_a_second_interrupt_during_shutdown_leaves_no_rank_and_no_half_pool(monk
     def interrupted_wait(ranks, timeout):
         raise KeyboardInterrupt  # the second Ctrl-C, during the graceful wait
 
-    monkeypatch.setattr(launch, "wait_exit", interrupted_wait)
+    monkeypatch.setattr(pool_module, "wait_exit", interrupted_wait)
     with pytest.raises(KeyboardInterrupt):
         launch.shutdown()
     monkeypatch.undo()
@@ -313,7 +315,7 @@ def _hoard(megabytes):
 def test_ranks_that_keep_too_much_memory_are_not_reused(monkeypatch):
     first = launch.run(_hoard, 2, 1, backend="gloo", timeout=60)
     assert launch.run(_pids, 2, backend="gloo", timeout=60) == first, "under the limit: warm"
-    monkeypatch.setattr(launch, "WARM_MEMORY_MB", 1.0)
+    monkeypatch.setattr(pool_module, "WARM_MEMORY_MB", 1.0)
     launch.run(_hoard, 2, 1, backend="gloo", timeout=60)
     monkeypatch.undo()
     assert not set(launch.run(_pids, 2, backend="gloo", timeout=60)) & set(first)

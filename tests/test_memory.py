@@ -1,11 +1,12 @@
-"""distlab.memory: the paper's bytes per rank, the exact accounting of distlab.zero with
+"""distlab.zero.memory: the paper's bytes per rank, the exact accounting of distlab.zero with
 uneven shards, counting live storage, and the memory calculator widget. What ranks
 really hold is checked against the accounting in tests/test_zero.py."""
 import pytest
 import torch
 import torch.nn as nn
 
-from distlab import memory
+from distlab.zero import memory
+from distlab.units import decimal_bytes
 from distlab.viz.zero import MemoryCalculator, calculator_table
 
 
@@ -13,7 +14,7 @@ def test_the_papers_figures():
     gb = [memory.zero_bytes(7.5e9, 64, s) / 1e9 for s in memory.STAGES]
     assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
     assert memory.zero_bytes(175e9, 1, 0) == 16 * 175e9 == 2.8e12
-    assert memory.human(2.8e12) == "2.8 TB" and memory.human(1.875e9) == "1.88 GB"
+    assert decimal_bytes(2.8e12) == "2.8 TB" and decimal_bytes(1.875e9) == "1.88 GB"
     assert memory.zero_bytes(1e6, 4, 1, k=4) == 4e6 + 1e6      # K: the optimizer's bytes
     with pytest.raises(ValueError, match="stage"):
         memory.zero_bytes(1, 1, 4)

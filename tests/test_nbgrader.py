@@ -1,4 +1,4 @@
-"""nbgrader, for real: the course that ``python -m distlab.course`` writes goes through
+"""nbgrader, for real: the course that ``python -m distlab.grading.course`` writes goes through
 nbgrader's own ``generate_assignment`` and ``autograde`` (command line, as an instructor
 runs them).
 
@@ -23,7 +23,8 @@ import pytest
 
 pytest.importorskip("nbgrader")
 
-from distlab import course, notebook  # noqa: E402
+from distlab.grading import course
+from distlab.grading import notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))

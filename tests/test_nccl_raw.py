@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import launch, nccl_raw
+from distlab import launch
+from distlab.collectives import nccl_raw
 from distlab.grading import expect_close
 
 

@@ -5,7 +5,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from distlab import notebook
+from distlab.grading import notebook, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,4 +73,4 @@ def test_stale_detects_a_changed_solution(tmp_path):
 def test_every_solution_exercise_has_autograder_tests():
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):
         for name in notebook.exercises(nbformat.read(path, as_version=4)):
-            assert (ROOT / "tests" / "exercises" / f"test_{name}.py").exists(), (path.name, name)
+            assert (runner.TESTS / f"test_{name}.py").exists(), (path.name, name)

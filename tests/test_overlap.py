@@ -1,5 +1,5 @@
-"""distlab.overlap (channels, variants, the interleaved comparison) and
-distlab.overlap_bench (the GPU bench's rank function on CPU ranks; the CLI on GPUs)."""
+"""distlab.dp.channels (channels, variants, the interleaved comparison) and
+distlab.bench.overlap (the GPU bench's rank function on CPU ranks; the CLI on GPUs)."""
 import json
 import os
 import sys
@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab import backend, launch, overlap, overlap_bench
+from distlab import backend, launch
+from distlab.bench import overlap as overlap_bench
+from distlab.dp import channels as overlap
 from distlab.comm import CommLog
 from distlab.dp import DataParallel
 from distlab.model import GPT, config
@@ -48,10 +50,10 @@ def cases():
     out["mean"], out["async"] = t, [e.async_op for e in log.events]
     # every variant gives the same averaged gradients
     grads, steps = {}, {}
-    for variant in overlap.VARIANTS:
+    for variant in overlap_bench.VARIANTS:
         torch.manual_seed(0)
         net = GPT(CFG).double()
-        model, finish = overlap.wrap(net, variant, 0.002)
+        model, finish = overlap_bench.wrap(net, variant, 0.002)
         loss_of(model, rank).backward()
         finish()
         grads[variant] = {n: p.grad.clone() for n, p in net.named_parameters()}
@@ -62,9 +64,9 @@ def cases():
             net.zero_grad()
         steps[variant] = step
     out["grads"] = grads
-    out["times"] = overlap.compare(steps, rounds=2, iters=1, warmup=1)
+    out["times"] = overlap_bench.compare(steps, rounds=2, iters=1, warmup=1)
     try:
-        overlap.wrap(GPT(CFG), "fastest")
+        overlap_bench.wrap(GPT(CFG), "fastest")
     except ValueError as e:
         out["bad variant"] = str(e)
     return out
@@ -100,7 +102,7 @@ def test_every_variant_averages_the_same():
 
 def test_compare_times_each_variant_on_every_rank_alike():
     out = results()
-    assert set(out[0]["times"]) == set(overlap.VARIANTS)
+    assert set(out[0]["times"]) == set(overlap_bench.VARIANTS)
     assert all(t > 0 for t in out[0]["times"].values())
     assert out[0]["times"] == out[1]["times"]  # the slowest rank's time, everywhere
 
@@ -118,7 +120,7 @@ def test_environ_sets_and_restores():
 def test_bench_rank_on_cpu_ranks(tmp_path):
     """The GPU bench's rank function, on gloo ranks and the test GPT: every variant timed,
     traces written by rank 0 only (no GPU kernels here, so nothing is 'hidden')."""
-    out = launch.run(overlap_bench.bench_rank, 2, ["2x8"], list(overlap_bench.VARIANTS),
+    out = launch.run(overlap_bench.bench_rank, 2, ["2x8"], list(overlap_bench.BENCHED),
                      str(tmp_path), model="test", vocab_size=13, rounds=1, iters=1, warmup=0,
                      busbw_bytes=4096, channel="handles", all_traces=True, backend="gloo",
                      timeout=120)
@@ -126,11 +128,11 @@ def test_bench_rank_on_cpu_ranks(tmp_path):
         assert r["busbw"] > 0
         shape = r["shapes"]["2x8"]
         for kind in ("seconds", "host_seconds"):
-            assert set(shape[kind]) == set(overlap_bench.VARIANTS)
+            assert set(shape[kind]) == set(overlap_bench.BENCHED)
             assert all(t > 0 for t in shape[kind].values())
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted(f"trace_2x8_{v.replace(' ', '_')}_rank{r}.json.gz"
-                           for v in overlap_bench.VARIANTS for r in (0, 1))
+                           for v in overlap_bench.BENCHED for r in (0, 1))
     text = overlap_bench.table({"cpu": out})
     assert "cpu" in text.splitlines()[1] and "2x8" in text and "host:" in text
 
@@ -177,7 +179,7 @@ def test_overlap_bench_cli_on_gpus(tmp_path):
                                "--iters", "1", "--all-traces"]) == 0
     data = json.loads((tmp_path / "overlap_bench.json").read_text())
     r = data["results"]["nvlink"][0]["shapes"]["2x64"]
-    assert set(r["seconds"]) == set(overlap_bench.VARIANTS)
+    assert set(r["seconds"]) == set(overlap_bench.BENCHED)
     assert 0 <= r["hidden"]["bucketed"] <= 1
     assert (tmp_path / "timeline_nvlink.png").stat().st_size > 0
     assert (tmp_path / "trace_nvlink_2x64_bucketed.json.gz").exists()

@@ -1,4 +1,4 @@
-"""distlab.p2p_check: NCCL's grouping rules, checked from CommLog records on CPU.
+"""distlab.collectives.p2p_check: NCCL's grouping rules, checked from CommLog records on CPU.
 
 Hand-built logs pin the model down (known-good and known-deadlocking patterns); real
 gloo runs, recorded with CommLog, show that batch ids travel and that code which runs
@@ -8,9 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import broadcast, launch, ring
+from distlab import launch
+from distlab.collectives import broadcast
+from distlab.collectives import ring
 from distlab.comm import CommLog
-from distlab.p2p_check import nccl_deadlock
+from distlab.collectives.p2p_check import nccl_deadlock
 
 
 class Log:

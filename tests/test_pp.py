@@ -24,7 +24,7 @@ from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
-from distlab.p2p_check import nccl_deadlock
+from distlab.collectives.p2p_check import nccl_deadlock
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
@@ -454,7 +454,7 @@ def test_gantt_and_explorer_draw(tmp_path):
 
 
 def test_the_bench_runs_on_cpu(tmp_path, capsys):
-    from distlab import pp_bench
+    from distlab.bench import pp as pp_bench
 
     pp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "13",
                    "--batch-size", "4", "--seq-len", "8", "--dtype", "fp32",

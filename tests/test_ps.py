@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import launch, ps
+from distlab import launch
+from distlab.collectives import ps
 from distlab.comm import CommLog
 from distlab.grading import expect_close
 

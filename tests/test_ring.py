@@ -1,4 +1,4 @@
-"""distlab.ring (the reference ring), distlab.ring_bench and distlab.viz.ring.
+"""distlab.collectives.ring (the reference ring), distlab.bench.ring and distlab.viz.ring.
 
 Correctness is equality with the sum computed on one process. One launch per world
 size runs every case; the tests of 4 ranks come last so that they share warm ranks.
@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distlab import backend, launch, ring, ring_bench
+from distlab import backend, launch
+from distlab.collectives import ring
+from distlab.shards import shard_sizes
+from distlab.bench import ring as ring_bench
 from distlab.comm import CommLog
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int64)
@@ -147,7 +150,7 @@ def test_piece_count_follows_the_backend():
     ((1 << 24) + 5, 4, 2, "gloo"), (101, 3, 8, "gloo"), (5, 7, 4, "gloo"), (0, 2, 4, "gloo")])
 def test_pieces_are_aligned_and_cover_every_chunk(numel, K, size, backend_name):
     P, width = ring.piece_layout(numel, K, size, backend_name)
-    biggest = max(ring.chunk_sizes(numel, K))
+    biggest = max(shard_sizes(numel, K))
     assert width * size % ring.ALIGN_BYTES == 0      # each piece starts 256 B into its chunk
     assert P <= ring.piece_count(biggest * size, backend_name)  # rounding up merges, never adds
     if biggest:                                       # no empty piece in the largest chunk
@@ -249,7 +252,7 @@ def test_check_traffic_catches_what_is_not_a_ring():
 @pytest.mark.parametrize("K", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("numel", [0, 1, 5, 13, 1000])
 def test_bytes_sent_total_is_the_ring_volume(K, numel):
-    sizes = ring.chunk_sizes(numel, K)
+    sizes = shard_sizes(numel, K)
     assert sizes == [c.numel() for c in torch.tensor_split(torch.empty(numel), K)]
     total = sum(ring.bytes_sent("all_reduce", numel, 2, r, K) for r in range(K))
     assert total == 2 * (K - 1) * numel * 2  # K ranks x 2(K-1)/K of N bytes
@@ -312,7 +315,7 @@ def test_the_exercise_modules_import_without_widgets(lab, blocked, tmp_path):
 
     import nbformat
 
-    from distlab import notebook
+    from distlab.grading import notebook
 
     root = Path(__file__).resolve().parents[1]
     source = notebook.module_source(nbformat.read(root / "solutions" / f"{lab}.ipynb", 4))

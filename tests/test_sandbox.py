@@ -7,7 +7,9 @@ import uuid
 import pytest
 import torch
 
-from distlab import plain, sandbox
+from distlab.runtime import plain
+from distlab.grading import sandbox
+from distlab.runtime import privileges
 
 _SPAWN = """
 import subprocess, sys, time
@@ -109,7 +111,7 @@ def test_a_direct_call_runs_sandboxed_and_raises_the_same_builtin(tmp_path, monk
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root changes user")
 def test_root_finds_an_unprivileged_user_that_can_still_import():
-    user, why = sandbox.unprivileged_user()
+    user, why = privileges.unprivileged_user()
     assert user and user.split(":")[0] != "0", why
 
 

@@ -3,7 +3,7 @@ GPU) a bf16 measurement whose MFU is a plausible fraction."""
 import pytest
 import torch
 
-from distlab import throughput
+from distlab.bench import throughput
 from distlab.model import GPT, config
 
 

@@ -16,13 +16,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab import backend, launch, tp, tp_bench
+from distlab import backend, launch, tp
+from distlab.bench import tp as tp_bench
 from distlab.comm import CommLog, bus_factor
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
+from distlab.shards import shard_sizes
 from distlab.viz.tp import plot_bench
-from exercises import tp_cases
+import tp_cases
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
@@ -297,7 +299,7 @@ def test_f_leaves_a_shared_gradient_alone(size):
 def test_shard_sizes_follow_tensor_split():
     for n in (1, 7, 10, 16):
         for size in (1, 2, 3, 4):
-            assert tp.shard_sizes(n, size) == [len(p) for p in torch.arange(n).tensor_split(size)]
+            assert shard_sizes(n, size) == [len(p) for p in torch.arange(n).tensor_split(size)]
 
 
 def test_qkv_rows_give_each_rank_its_heads():

@@ -1,4 +1,4 @@
-"""distlab.trace (interval arithmetic, timelines, Chrome traces, the profiler) and
+"""distlab.bench.trace (interval arithmetic, timelines, Chrome traces, the profiler) and
 distlab.viz.timeline (the timeline plot, the step-time plot, the bucket-size picker)."""
 import gzip
 import json
@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab import launch, trace
+from distlab import launch
+from distlab.bench import trace
 from distlab.comm import CommLog
 from distlab.dp import DataParallel
 from distlab.model import GPT, config
-from distlab.trace import Span, Timeline
+from distlab.bench.trace import Span, Timeline
 from distlab.viz.timeline import TimelinePicker, plot_step_times, plot_timeline, timelines_figure
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -146,7 +146,7 @@ def test_an_unfinished_bar_is_recognised():
 def test_stored_progress_bars_are_finished(path):
     bad = unfinished_bars(nbformat.read(path, as_version=4))
     assert not bad, (f"{path.name} stores progress bars short of their end, as GitHub would "
-                     f"show them; re-execute it with `python -m distlab.notebook execute "
+                     f"show them; re-execute it with `python -m distlab.grading.notebook execute "
                      f"{path.relative_to(ROOT)}`:\n" + "\n".join(bad))
 
 
@@ -168,7 +168,7 @@ def test_a_bar_is_stored_finished_and_passes_nbval(tmp_path):
     pytest.importorskip("nbval")
     from nbconvert import HTMLExporter
 
-    from distlab import notebook
+    from distlab.grading import notebook
 
     path = tmp_path / "bars.ipynb"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in BAR_NOTEBOOK])

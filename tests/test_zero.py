@@ -1,6 +1,6 @@
 """ZeRO stages 1-3 (distlab.zero): the correctness rule at 1-4 ranks on the awkward GPT
 (tied embedding, a frozen parameter, one that never gets a gradient, shards of uneven
-size), how it was done (CommLog), what each rank holds (distlab.memory), state dicts,
+size), how it was done (CommLog), what each rank holds (distlab.zero.memory), state dicts,
 fp16 loss scaling, subgroups, bad input, and the AdamW kernel's index arithmetic.
 
 One launch of 4 ranks runs every case at 4, 3, 2 and 1 ranks (process groups of those
@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab import backend, launch, memory
+from distlab import backend, launch
+from distlab.zero import memory
 from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.dp import DataParallel, shard_loss_weight
@@ -389,9 +390,9 @@ def test_a_state_dict_saved_on_3_ranks_continues_on_4():
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_each_rank_holds_what_the_accounting_says(world):
     """bf16 weights and gradients, fp32 master weights and AdamW moments, at the end of
-    backward: distlab.memory's exact accounting, byte for byte, counted on the objects
+    backward: distlab.zero.memory's exact accounting, byte for byte, counted on the objects
     (held_bytes) and measured as storage in use (StorageTracker); the optimizer step's
-    buffers are distlab.memory.step_buffers; dropping a strategy frees everything."""
+    buffers are distlab.zero.memory.step_buffers; dropping a strategy frees everything."""
     for rank, r in enumerate(results(world)):
         for kind, (held, units, measured, params) in r["bytes"].items():
             stage = int(kind[-1])
@@ -496,11 +497,11 @@ def test_every_stage_trains_like_one_process_on_gpus():
 
 
 def test_the_gpu_bench_runs_on_cpus_and_reports():
-    """python -m distlab.zero_bench's sections on 4 gloo ranks and the test GPT, memory
+    """python -m distlab.bench.zero's sections on 4 gloo ranks and the test GPT, memory
     measured by a StorageTracker: each strategy's model states, step buffers and
     leftovers are what the GPU run compares (exact here), the speed section runs both
     wrappers with both AdamWs and counts their traffic, the table and figure come out."""
-    from distlab import zero_bench
+    from distlab.bench import zero as zero_bench
     from distlab.viz.zero import plot_gpu_figures
 
     results = launch.run(zero_bench.rank_bench, 4, config("test", vocab_size=VOCAB), 2, 8, 2, 1,

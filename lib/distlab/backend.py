@@ -113,3 +113,14 @@ def device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def check_module_devices(module) -> None:
+    """NCCL moves only CUDA tensors: say so before the first broadcast fails."""
+    if dist.get_backend() != "nccl":
+        return
+    for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+        if t.device.type != "cuda":
+            raise ValueError(
+                f"{name} is on {t.device} but the nccl backend needs CUDA tensors: move the "
+                f"model with .to(distlab.backend.device()) before wrapping it")

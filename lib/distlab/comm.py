@@ -23,6 +23,8 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from distlab.units import human_bytes
+
 COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
                "gather", "scatter", "barrier")
@@ -184,22 +186,21 @@ class CommLog:
         return "\n".join(lines)
 
 
-def human_bytes(nbytes: float) -> str:
-    """4.0 KiB, 16.0 MiB, ..."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
+def in_group(group) -> bool:
+    """Whether this rank is a member of ``group`` (None: the default group); torch gives
+    a rank outside a group the rank -1 in it."""
+    return group is None or dist.get_rank(group) >= 0
 
 
-def size_label(nbytes: float) -> str:
-    """A message size for tables and axes: 64 KiB, 1.5 MiB (as short as it is exact)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024 or unit == "GiB":
-            return f"{nbytes:g} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
+def check_group(group, what: str) -> None:
+    """Say what is wrong before a collective fails: no process group, or this rank not
+    in ``group``."""
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs a process group: call it inside a function run by "
+                           f"distlab.launch.run (or under torchrun)")
+    if not in_group(group):
+        raise ValueError(f"this rank is not a member of group: build the {what} only on the "
+                         f"ranks of the group")
 
 
 class _State(threading.local):

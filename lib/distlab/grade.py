@@ -1,8 +1,8 @@
-"""``python -m distlab.grade NOTEBOOK... [--json FILE]``: grade lab notebooks (see
-:mod:`distlab.grading`)."""
+"""``python -m distlab.grade``: the grader's older name, kept working (see
+:mod:`distlab.grading`, ``python -m distlab.grading``)."""
 import sys
 
-from distlab.grading import main
+from distlab.grading.runner import main
 
 if __name__ == "__main__":
     sys.exit(main())

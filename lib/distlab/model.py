@@ -8,7 +8,7 @@ embedding (Press & Wolf 2017). Parallel strategies wrap this model; it never imp
 Sizes (:data:`PRESETS`) run from ``"test"`` (a few thousand parameters, milliseconds
 a step on a CPU) to ``"gpt-100m"`` for GPU runs. :meth:`GPT.num_params` counts the
 parameters and :meth:`GPT.flops_per_token` the training FLOPs of one token, which
-:mod:`distlab.throughput` turns into model FLOPs utilisation (MFU).
+:mod:`distlab.bench.throughput` turns into model FLOPs utilisation (MFU).
 """
 from __future__ import annotations
 

@@ -6,10 +6,10 @@ micro-batches flowing through them on a schedule (GPipe, 1F1B).
 * :mod:`~distlab.pp.p2p`: activations and gradients between stages, NCCL-safe groups,
   each link connected both ways first;
 * :mod:`~distlab.pp.runtime`: one stage's training step, driven by a table;
-* :mod:`~distlab.pp.timeline`: what each stage did and when (:mod:`distlab.bubble`
+* :mod:`~distlab.pp.events`: what each stage did and when (:mod:`distlab.pp.bubble`
   measures the bubble from it).
 """
-from distlab.bubble import idle_fraction, peak_live
+from distlab.pp.bubble import idle_fraction, peak_live
 from distlab.pp.runtime import PipelineRunner, cross_entropy
 from distlab.pp.schedule import (SCHEDULES, TITLES, bubble_fraction, build_schedule,
                                  check_schedule, gpipe_schedule, one_f_one_b_schedule,

@@ -13,7 +13,7 @@ after an action together with what it receives for its next action. In 1F1B's st
 state stage s sends an activation up while stage s+1 sends a gradient down; as
 separate calls each would sit in its send, waiting for a receive the other has queued
 behind its own send. As one group on each side, every send meets a receive its peer
-has posted in the same group (``distlab.p2p_check.nccl_deadlock`` checks this from the
+has posted in the same group (``distlab.collectives.p2p_check.nccl_deadlock`` checks this from the
 CommLogs in the tests).
 
 NCCL also connects two ranks lazily, in the first group in which they exchange, and

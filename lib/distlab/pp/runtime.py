@@ -22,7 +22,7 @@ first step begins by connecting each link both ways (:meth:`StageLink.connect
 <distlab.pp.p2p.StageLink.connect>`, NCCL's lazy connection setup). The step ends by
 summing the gradients of tied parameters between the stages that hold them
 (:attr:`distlab.pp.split.Stage.tied`), and leaves the optimizer step to the caller.
-``runner.timeline`` keeps what the stage did and when (:mod:`distlab.pp.timeline`),
+``runner.timeline`` keeps what the stage did and when (:mod:`distlab.pp.events`),
 with the number of micro-batches whose activations it holds after each action.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from distlab.pp.p2p import StageLink
 from distlab.pp.schedule import check_schedule
 from distlab.pp.split import Stage
-from distlab.pp.timeline import Timeline
+from distlab.pp.events import StageEvents
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,7 +96,7 @@ class PipelineRunner:
         rows = [len(r) for r in torch.arange(batch).tensor_split(m)]
         xs = inputs.to(self.device).tensor_split(m)
         ys = targets.to(self.device).tensor_split(m)
-        timeline = Timeline(s.index, self.device)
+        timeline = StageEvents(s.index, self.device)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         received: dict[tuple[str, int], torch.Tensor] = {}
         total = torch.zeros((), device=self.device)
@@ -147,7 +147,7 @@ class PipelineRunner:
         self.timeline = timeline.finish()
         return total if s.is_last else None
 
-    def _transfer(self, timeline: Timeline, sends, recvs) -> None:
+    def _transfer(self, timeline: StageEvents, sends, recvs) -> None:
         if not sends and not recvs:
             return
         names = {True: "act", False: "grad"}
@@ -157,7 +157,7 @@ class PipelineRunner:
             self.link.exchange(sends, recvs)
 
 
-def sum_tied_gradients(stage: Stage, link: StageLink, timeline: Timeline | None = None) -> None:
+def sum_tied_gradients(stage: Stage, link: StageLink, timeline: StageEvents | None = None) -> None:
     """Each tied parameter's gradient (:attr:`Stage.tied`) becomes the sum over the
     stages holding it, added in stage order on every one of them, so the copies stay
     identical (Megatron-LM's all-reduce in the embedding group, here one grouped

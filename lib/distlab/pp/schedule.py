@@ -143,7 +143,7 @@ def simulate(table, forward_time: float = 1.0, backward_time: float = 2.0,
     and the receiver for it to arrive), and each action starts as soon as its stage is
     free and its input has arrived. Returns the timeline as events
     ``{"stage", "kind", "mb", "start", "end"}`` (the format of
-    :mod:`distlab.pp.timeline`); raises ValueError when the table cannot run."""
+    :mod:`distlab.pp.events`); raises ValueError when the table cannot run."""
     problem = check_schedule(table)
     if problem:
         raise ValueError(f"this schedule cannot run: {problem}")

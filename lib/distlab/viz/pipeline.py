@@ -1,6 +1,6 @@
 """Pipeline schedules, drawn: Gantt charts of timelines and an explorer widget.
 
-:func:`plot_gantt` draws one timeline (events of :mod:`distlab.pp.timeline`, measured
+:func:`plot_gantt` draws one timeline (events of :mod:`distlab.pp.events`, measured
 or from the ideal clock of :func:`distlab.pp.schedule.simulate`): one row per stage,
 stage 0 on top, one box per forward (F, solid) or backward (B, hatched), coloured by
 micro-batch, transfers as thin grey bars under the boxes. The white space is the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from distlab.bubble import compute_events, idle_fraction, peak_live
+from distlab.pp.bubble import compute_events, idle_fraction, peak_live
 from distlab.viz.ring import _png
 
 

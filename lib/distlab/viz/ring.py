@@ -1,7 +1,7 @@
 """The ring all-reduce, drawn: a step-by-step widget and the ring-vs-backend plot.
 
 :class:`RingStepper` shows K ranks (rows) × K chunks (columns) of a real run recorded
-by :func:`distlab.ring.record`: each cell names the partial sum that rank holds for
+by :func:`distlab.collectives.ring.record`: each cell names the partial sum that rank holds for
 that chunk (rank 0's contribution to chunk 2 is ``a2``, rank 1's ``b2``, ...), its
 colour says how many ranks are summed in, and arrows show what moved in the step.
 Each click on "next" is one step: K-1 of reduce-scatter, then K-1 of all-gather.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from distlab.viz import png as _png
 
 if TYPE_CHECKING:  # the data only; viz never imports the code that made it
-    from distlab.ring import RingRecord
+    from distlab.collectives.ring import RingRecord
 
 
 def _name(rank: int) -> str:
@@ -170,10 +170,10 @@ class RingStepper:
 
 def plot_bench(result, ax=None):
     """busbw against message size for the backend and each contender of a
-    :class:`distlab.ring_bench.Result`, with each contender's ratio to the backend."""
+    :class:`distlab.bench.ring.Result`, with each contender's ratio to the backend."""
     import matplotlib.pyplot as plt
 
-    from distlab.comm import size_label
+    from distlab.units import size_label
 
     if ax is None:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))

@@ -1,5 +1,5 @@
 """Timelines of training steps (lab 08): what each rank computed and when each
-collective ran, from a :class:`distlab.trace.Timeline`; the step time against the
+collective ran, from a :class:`distlab.bench.trace.Timeline`; the step time against the
 bucket size; and a widget that shows the timeline of the bucket size one picks.
 
 Without a widget front end (GitHub, a static HTML export) the picker shows every
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from distlab.viz import png
 
 if TYPE_CHECKING:  # the data only; viz never imports the code that made it
-    from distlab.trace import Timeline
+    from distlab.bench.trace import Timeline
 
-COMM = "comm"     # the lanes of distlab.trace.Span
+COMM = "comm"     # the lanes of distlab.bench.trace.Span
 
 PHASES = {"forward": "#9ecae1", "backward": "#3182bd", "step": "#31a354", "wait": "#d9d9d9"}
 KERNEL = "#6baed6"                 # GPU compute kernels (too many names for a legend)
@@ -32,7 +32,7 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
     it finished. Time in ms from the earliest event."""
     import matplotlib.pyplot as plt
 
-    from distlab.comm import human_bytes
+    from distlab.units import human_bytes
 
     ranks = timeline.ranks
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(

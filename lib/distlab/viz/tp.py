@@ -1,6 +1,6 @@
 """Plots of lab 06 (tensor parallelism): which rank holds which rows and columns of a
 block's weights, traffic and compute per rank against the TP size, time per layer on
-each kind of link, and the GPU benchmark (:mod:`distlab.tp_bench`)."""
+each kind of link, and the GPU benchmark (:mod:`distlab.bench.tp`)."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt

@@ -14,7 +14,8 @@ import textwrap
 
 import numpy as np
 
-from distlab.memory import STAGE_NAMES, STAGES, human, zero_bytes
+from distlab.units import decimal_bytes
+from distlab.zero.memory import STAGE_NAMES, STAGES, zero_bytes
 from distlab.viz.ring import _png
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
@@ -154,10 +155,10 @@ def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | Non
     values = [b / 1e9 for _, _, b in table]
     bars = ax.bar([name for name, _, _ in table], values,
                   color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
-    ax.bar_label(bars, labels=[human(b) for _, _, b in table], fontsize=8)
+    ax.bar_label(bars, labels=[decimal_bytes(b) for _, _, b in table], fontsize=8)
     if gpu_bytes:
         ax.axhline(gpu_bytes / 1e9, color="crimson", ls="--", lw=1,
-                   label=f"one GPU: {human(gpu_bytes)}")
+                   label=f"one GPU: {decimal_bytes(gpu_bytes)}")
         ax.legend(fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("GB per GPU (log scale)")
@@ -222,7 +223,7 @@ class MemoryCalculator:
 
 
 def plot_gpu_figures(results: list[dict]):
-    """The figures of ``python -m distlab.zero_bench`` (one dict per rank): the kernel's
+    """The figures of ``python -m distlab.bench.zero`` (one dict per rank): the kernel's
     bandwidth; per rank and strategy, model states, activations and the optimizer step's
     buffers against the accounting, and the peak; ZeRO-3 against FSDP2 with each
     AdamW."""
@@ -261,7 +262,7 @@ def plot_gpu_figures(results: list[dict]):
                             x + width / 2, color="tab:green", lw=2, linestyles="dashed",
                             label="states + optimizer step buffers" if first else None)
                 m_ax.hlines(s["accounting"]["total"] / scale, x - width / 2, x + width / 2,
-                            color="k", lw=2, label="distlab.memory.accounting" if first else None)
+                            color="k", lw=2, label="distlab.zero.memory.accounting" if first else None)
                 m_ax.plot(x, s["peak"] / scale, "v", color="tab:red", ms=6,
                           label="peak (above the baseline)" if first else None)
         m_ax.set_xticks(range(len(strategies)), strategies)

@@ -17,9 +17,10 @@ Modules, one concept each:
 * :mod:`~distlab.zero.scaler`: :class:`DynamicLossScaler` for fp16;
 * :mod:`~distlab.zero.kernel`: the sharded AdamW update as a CUDA kernel (cupy).
 
-:mod:`distlab.memory` accounts the bytes each rank holds.
+:mod:`distlab.zero.memory` accounts the bytes each rank holds.
 """
-from distlab.zero.flat import FlatParams, Layout, shard_range
+from distlab.shards import shard_range
+from distlab.zero.flat import FlatParams, Layout
 from distlab.zero.fsdp import FullyShardedDataParallel
 from distlab.zero.optimizer import ShardedOptimizer
 from distlab.zero.scaler import DynamicLossScaler

@@ -24,21 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.comm import all_gather_into, reduce_scatter_into
-
-
-def shard_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``(start, end)`` of rank ``rank``'s shard of a buffer of ``numel`` elements over
-    ``world_size`` ranks: ``torch.tensor_split``'s pieces (the first ``numel %
-    world_size`` ranks get one element more)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    base, extra = divmod(numel, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+from distlab.shards import shard_range
 
 
 class Layout:
@@ -130,17 +116,6 @@ def all_gather_shards(shard: torch.Tensor, layout: Layout, out: torch.Tensor, gr
         target = out.new_empty(layout.padded_numel)
     work = all_gather_into(target, chunk, group=group, async_op=async_op)
     return Pending(work if async_op else None, lambda: layout.unpad(target, out))
-
-
-def check_group(group, what: str) -> None:
-    """Say what is wrong before a collective fails: no process group, or this rank not
-    in ``group``."""
-    if not dist.is_initialized():
-        raise RuntimeError(f"{what} needs a process group: call it inside a function run by "
-                           f"distlab.launch.run (or under torchrun)")
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"this rank is not a member of group: build the {what} only on the "
-                         f"ranks of the group")
 
 
 def source_rank(group) -> int:

@@ -50,8 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.dp import _check_devices
-from distlab.zero.flat import FlatParams, check_group, source_rank
+from distlab.backend import check_module_devices
+from distlab.comm import check_group
+from distlab.zero.flat import FlatParams, source_rank
 
 
 class _Unit:
@@ -93,7 +94,7 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got "
                             f"{type(module).__name__}")
         check_group(group, "FullyShardedDataParallel")
-        _check_devices(module)
+        check_module_devices(module)
         self.module, self.group = module, group
         self.shard_parameters, self.prefetch = shard_parameters, prefetch
         self._order: list[_Unit] = []     # forward order, recorded by the first forward

@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 
-from distlab.zero.flat import shard_range
+from distlab.shards import shard_range
 
 BYTES_PER_PARAM = 28
 BLOCK = 256

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from distlab.zero.flat import FlatParams, check_group
+from distlab.comm import check_group
+from distlab.zero.flat import FlatParams
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

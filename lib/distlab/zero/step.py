@@ -13,6 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from distlab.comm import in_group
 from distlab.zero.flat import Layout, all_gather_shards, reduce_scatter_mean
 
 
@@ -42,7 +43,7 @@ def zero2_step(flat_params: torch.Tensor, flat_grads: torch.Tensor, state: dict,
     (``torch.tensor_split``'s pieces), whose moments ``state`` holds; then every rank's
     ``flat_params`` gets every updated shard (all-gather). A rank that is not a member
     of ``group`` returns at once and touches nothing."""
-    if dist.get_rank(group) < 0:
+    if not in_group(group):
         return None
     layout = Layout(flat_params.numel(), dist.get_world_size(group))
     start, end = layout.bounds(dist.get_rank(group))

@@ -1,0 +1,212 @@
+"""Pipeline parallelism measured: the bubble against (p-1)/(m+p-1), and the peak memory
+of each stage under GPipe and 1F1B, for a range of micro-batch counts.
+
+    NCCL_NVLS_ENABLE=0 python -m distlab.bench.pp --out results/pp   # 2 GPUs, NCCL
+
+It launches one rank per stage (``--stages``, NCCL when every rank can have a GPU),
+cuts the GPT (``--model gpt-100m`` by default) into balanced stages
+(:class:`distlab.pp.Stage`), and for each schedule and each m trains a few steps
+(AdamW, ``--dtype`` autocast) on a fixed global batch; the first of the ``--warmup``
+steps also connects the neighbouring stages (:meth:`distlab.pp.p2p.StageLink.connect`,
+NCCL's lazy connection setup), out of the measurement. Per configuration it reports
+the median step time, the measured idle fraction of the last step (CUDA events on a
+GPU), the formula, each stage's peak of live micro-batches and, on GPUs, each
+stage's peak memory (``torch.cuda.max_memory_allocated``). It writes ``pp_bench.json``
+(rows and the last step's timelines), ``pp_bubble.png``, ``pp_memory.png`` and
+``pp_gantt.png`` to ``--out``, and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from distlab.bench.timing import sync
+from distlab import backend, launch, pp
+from distlab.model import GPT, PRESETS, config
+from distlab.bench.throughput import DTYPES
+
+
+def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[int],
+            schedules: list[str], steps: int, warmup: int) -> list[dict]:
+    """On each rank (one stage each): every (schedule, m), trained ``warmup + steps``
+    steps. Returns one row per configuration with this stage's figures."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = backend.device()
+    cuda = device.type == "cuda"
+    autocast = contextlib.nullcontext() if dtype == "fp32" else torch.autocast(
+        device.type, dtype=DTYPES[dtype])
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(cfg.vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    rows = []
+    configs = [(name, m) for name in schedules for m in microbatches]
+    for name, m in launch.progress(configs, desc=f"{world} stages"):
+        torch.manual_seed(0)
+        with torch.device(device):  # initialised in place: faster on a GPU than on the host
+            stage = pp.Stage(GPT(cfg), rank, world)
+        runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m))
+        opt = torch.optim.AdamW(stage.parameters(), lr=1e-4, fused=cuda)
+        times = []
+        for step in range(warmup + steps):
+            if step == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            dist.barrier()
+            sync(device)
+            start = time.perf_counter()
+            with autocast:
+                runner.step(inputs, targets)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(device)
+            times.append(time.perf_counter() - start)
+        rows.append({"schedule": name, "m": m, "stage": rank, "layers": stage.layer_names,
+                     "step_s": statistics.median(times[warmup:]),
+                     "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+                     "timeline": runner.timeline})
+        del stage, runner, opt
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def summarise(per_rank: list[list[dict]], batch_size: int, seq_len: int) -> list[dict]:
+    """One row per (schedule, m) from every stage's rows."""
+    p = len(per_rank)
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        mine = [rows[i] for rows in per_rank]
+        events = [e for r in mine for e in r["timeline"]]
+        step = max(r["step_s"] for r in mine)
+        live = pp.peak_live(events)
+        out.append({"schedule": first["schedule"], "m": first["m"], "p": p,
+                    "step_ms": 1e3 * step, "tokens_per_s": batch_size * seq_len / step,
+                    "idle": pp.idle_fraction(events, p),
+                    "formula": pp.bubble_fraction(p, first["m"]),
+                    "peak_live": [live[s] for s in range(p)],
+                    "peak_gib": [None if r["peak_bytes"] is None else r["peak_bytes"] / 2**30
+                                 for r in mine],
+                    "layers": [r["layers"] for r in mine], "timeline": events})
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'schedule':>8} {'m':>3} {'step ms':>8} {'tokens/s':>10} {'idle':>6} "
+             f"{'formula':>7}  {'peak live per stage':<20} peak memory per stage (GiB)"]
+    for r in rows:
+        mem = ("n/a (no GPU)" if r["peak_gib"][0] is None else
+               " ".join(f"{g:.2f}" for g in r["peak_gib"]))
+        lines.append(f"{pp.TITLES[r['schedule']]:>8} {r['m']:>3} {r['step_ms']:8.1f} "
+                     f"{r['tokens_per_s']:10,.0f} {r['idle']:6.1%} {r['formula']:7.1%}  "
+                     f"{str(r['peak_live']):<20} {mem}")
+    return "\n".join(lines)
+
+
+def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
+    """The bubble against the formula, the peak memory per stage, and the Gantt charts
+    of both schedules at a middle m; returns the files written (none, with a note,
+    where matplotlib or ipywidgets is missing: ``--replot`` draws them elsewhere)."""
+    try:
+        import matplotlib.pyplot as plt
+
+        from distlab.viz.pipeline import compare_figure, plot_bubble
+    except ImportError as exc:
+        print(f"figures skipped ({exc}); draw them where matplotlib and ipywidgets are "
+              f"installed: python -m distlab.bench.pp --replot --out {out}")
+        return []
+
+    written = []
+    fig = plot_bubble([{"label": f"{pp.TITLES[r['schedule']]} measured", "m": r["m"],
+                        "p": r["p"], "idle": r["idle"]} for r in rows], title=title)
+    written.append(out / "pp_bubble.png")
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    if rows[0]["peak_gib"][0] is not None:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for name in dict.fromkeys(r["schedule"] for r in rows):
+            mine = [r for r in rows if r["schedule"] == name]
+            for s in range(rows[0]["p"]):
+                ax.plot([r["m"] for r in mine], [r["peak_gib"][s] for r in mine], marker="o",
+                        ls="-" if name == "gpipe" else "--", color=f"C{s}",
+                        label=f"{pp.TITLES[name]}, stage {s}")
+        ax.set_xscale("log", base=2)
+        ms = sorted({r["m"] for r in rows})
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.minorticks_off()
+        ax.set_xlabel("micro-batches m (same global batch)")
+        ax.set_ylabel("peak memory (GiB)")
+        ax.set_title(f"{title}: peak memory per stage", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(out / "pp_memory.png")
+        fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    ms = sorted({r["m"] for r in rows})
+    middle = ms[len(ms) // 2]
+    panels = {f"{pp.TITLES[r['schedule']]}, p={r['p']}, m={r['m']}": (r["timeline"], "ms")
+              for r in rows if r["m"] == middle}
+    written.append(out / "pp_gantt.png")
+    compare_figure(panels, columns=1).savefig(written[-1], dpi=120, bbox_inches="tight")
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m distlab.bench.pp", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNGs")
+    p.add_argument("--stages", type=int, default=2, help="pipeline stages = ranks")
+    p.add_argument("--model", default="gpt-100m", choices=sorted(PRESETS))
+    p.add_argument("--vocab-size", type=int, default=16384)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per global batch")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's seq_len")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--microbatches", default="1,2,4,8,16",
+                   help="comma-separated micro-batch counts (each at most --batch-size)")
+    p.add_argument("--schedules", default="gpipe,1f1b")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--backend", default="auto", choices=backend.BACKENDS)
+    p.add_argument("--timeout", type=float, default=600,
+                   help="seconds before the launch is reported as hung, with each rank's stack")
+    p.add_argument("--replot", action="store_true",
+                   help="measure nothing: print the table and draw the figures of the "
+                        "pp_bench.json already in --out")
+    args = p.parse_args(argv)
+    if args.replot:
+        data = json.loads((args.out / "pp_bench.json").read_text())
+        print(data["title"])
+        print(table(data["rows"]))
+        for path in figures(data["rows"], args.out, data["title"]):
+            print(f"wrote {path}")
+        return 0
+    ms = [int(m) for m in args.microbatches.split(",")]
+    if max(ms) > args.batch_size:
+        p.error(f"--microbatches up to {max(ms)} need --batch-size >= {max(ms)}")
+    cfg = config(args.model, args.vocab_size)
+    seq_len = args.seq_len or cfg.seq_len
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(backend.explain(args.stages, args.backend))
+    per_rank = launch.run(measure, args.stages, cfg, args.batch_size, seq_len, args.dtype, ms,
+                          args.schedules.split(","), args.steps, args.warmup,
+                          backend=args.backend, timeout=args.timeout)
+    rows = summarise(per_rank, args.batch_size, seq_len)
+    title = (f"{args.model}, {args.stages} stages, {args.batch_size}x{seq_len} tokens, "
+             f"{args.dtype}, {backend.choose(args.stages, args.backend)}")
+    print(title)
+    print("stages: " + " | ".join(", ".join(layers) for layers in rows[0]["layers"]))
+    print(table(rows))
+    (args.out / "pp_bench.json").write_text(json.dumps(
+        {"title": title, "device": backend.info().gpu_names or ["CPU"], "rows": rows}, indent=1))
+    for path in [args.out / "pp_bench.json"] + figures(rows, args.out, title):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

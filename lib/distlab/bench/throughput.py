@@ -1,0 +1,167 @@
+"""Tokens per second and model FLOPs utilisation (MFU) of the GPT on this machine.
+
+    python -m distlab.bench.throughput --model gpt-100m --dtype bf16 --batch-size 16 \\
+        --seq-len 1024 --world-size 1 --backend nccl
+
+Each rank trains :class:`distlab.model.GPT` wrapped in :class:`distlab.dp.DataParallel`
+(forward, backward, gradient all-reduce, AdamW step) on random tokens and times the
+steps after a warm-up. MFU (Chowdhery et al. 2022, PaLM, appendix B) is the model
+FLOPs the step performs, ``flops_per_token × tokens/s`` (``6N + 12 L d T``, see
+:meth:`distlab.model.GPT.flops_per_token`), over the device's peak dense throughput
+for the dtype; recomputation and padding do not count as model FLOPs.
+
+Peak figures are dense (no 2:4 sparsity) tensor-core throughput from the vendors'
+datasheets; NVIDIA quotes "with sparsity" figures, twice the dense ones. MFU is reported
+only where the table knows the device and dtype (not on CPUs).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from distlab.bench.timing import per_call
+
+# Dense BF16/FP16 tensor-core peak, TFLOP/s, by a substring of the device name (the
+# first that matches wins, so more specific names come first). Sources: NVIDIA A100,
+# H100 and H200 datasheets (SXM parts; "with sparsity" halved), NVIDIA's H800 has the
+# H100 SXM's compute (it differs in NVLink and FP64); AMD Instinct MI250X/MI300X specs.
+PEAK_TFLOPS_BF16 = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.5),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("GH200", 989.4),
+    ("A100", 312.0),
+    ("MI300X", 1307.4),
+    ("MI325X", 1307.4),
+    ("MI250X", 383.0),
+)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of a device for ``dtype`` ("bf16", "fp16"), or None if unknown
+    (fp32, CPUs, devices missing from the table)."""
+    if dtype not in ("bf16", "fp16"):
+        return None
+    for key, tflops in PEAK_TFLOPS_BF16:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
+
+
+@dataclasses.dataclass
+class Throughput:
+    """One rank's measurement."""
+
+    device: str
+    dtype: str
+    params: int
+    flops_per_token: int
+    tokens_per_step: int
+    step_seconds: float
+    peak_flops: float | None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.step_seconds
+
+    @property
+    def model_flops(self) -> float:
+        """Model FLOP/s achieved."""
+        return self.flops_per_token * self.tokens_per_second
+
+    @property
+    def mfu(self) -> float | None:
+        return None if self.peak_flops is None else self.model_flops / self.peak_flops
+
+    def __str__(self) -> str:
+        mfu = "n/a (no peak figure for this device/dtype)" if self.mfu is None else \
+            f"{100 * self.mfu:.1f}% of {self.peak_flops / 1e12:.0f} TFLOP/s"
+        return (f"{self.device}, {self.dtype}, {self.params / 1e6:.1f}M params: "
+                f"{self.tokens_per_second:,.0f} tokens/s, {self.step_seconds * 1e3:.1f} ms/step, "
+                f"{self.model_flops / 1e12:.2f} TFLOP/s, MFU {mfu}")
+
+
+def measure(cfg, batch_size: int, seq_len: int | None = None, dtype: str = "bf16",
+            steps: int = 10, warmup: int = 3, compile: bool = False) -> Throughput:
+    """Time ``steps`` training steps of ``GPT(cfg)`` on this rank's device.
+
+    Runs inside a launched function (the model is wrapped in DataParallel over the
+    running group) or in a plain process (a group of one is not needed: no wrapping)."""
+    import torch.distributed as dist
+
+    from distlab import backend
+    from distlab.dp import DataParallel
+    from distlab.model import GPT
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    seq_len = cfg.seq_len if seq_len is None else seq_len
+    device = backend.device() if dist.is_initialized() else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    params, flops = model.num_params(), model.flops_per_token(seq_len)
+    ddp = DataParallel(model) if dist.is_initialized() else None
+    run = torch.compile(model) if compile else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    autocast = contextlib.nullcontext() if dtype == "fp32" else torch.autocast(
+        device.type, dtype=DTYPES[dtype])
+    x = torch.randint(cfg.vocab_size, (batch_size, seq_len + 1), device=device)
+
+    def step():
+        with autocast:
+            logits = run(x[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten())
+        loss.backward()
+        if ddp is not None:
+            ddp.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    seconds = per_call(step, steps, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return Throughput(name, dtype, params, flops, batch_size * seq_len, seconds,
+                      peak_flops(name, dtype))
+
+
+def main(argv=None) -> int:
+    from distlab import backend, launch
+    from distlab.model import PRESETS, config
+
+    p = argparse.ArgumentParser(prog="python -m distlab.bench.throughput", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt-100m", choices=sorted(PRESETS))
+    p.add_argument("--vocab-size", type=int, default=16384)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's seq_len")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                   help="autocast compute dtype (weights and AdamW state stay fp32)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--backend", default="auto", choices=backend.BACKENDS)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    args = p.parse_args(argv)
+    cfg = config(args.model, args.vocab_size)
+    print(backend.explain(args.world_size, args.backend))
+    results = launch.run(measure, args.world_size, cfg, args.batch_size, args.seq_len,
+                         args.dtype, args.steps, args.warmup, args.compile,
+                         backend=args.backend, timeout=600)
+    for rank, r in enumerate(results):
+        print(f"rank {rank}: {r}")
+    total = sum(r.tokens_per_second for r in results)
+    print(f"all {args.world_size} rank(s): {total:,.0f} tokens/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

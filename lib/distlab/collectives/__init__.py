@@ -1,0 +1,8 @@
+"""Collectives built by hand, and the tools to check them:
+
+- :mod:`~distlab.collectives.ring`: ring reduce-scatter, all-gather and all-reduce over send/recv;
+- :mod:`~distlab.collectives.broadcast`: the chunked, pipelined broadcast;
+- :mod:`~distlab.collectives.ps`: a parameter server over broadcast and reduce;
+- :mod:`~distlab.collectives.nccl_raw`: NCCL's C API through ``cupy.cuda.nccl`` (GPU only);
+- :mod:`~distlab.collectives.p2p_check`: NCCL's point-to-point rules, checked on a CPU.
+"""

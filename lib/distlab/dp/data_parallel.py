@@ -1,0 +1,359 @@
+"""Data parallelism: every rank holds the whole model, computes gradients on its own
+slice of the global batch, and the ranks average their gradients before each step.
+
+Two wrappers, both shaped like ``torch.nn.parallel.DistributedDataParallel`` (``.module``,
+rank 0's parameters and buffers broadcast at construction, ``no_sync()``) so that one can
+replace the other in a training loop:
+
+    model = DataParallel(GPT(cfg).to(backend.device()))   # rank 0's weights everywhere
+    loss_fn(model(x), y).backward()                        # buckets all-reduce meanwhile
+    model.finish_gradient_synchronization()                # wait for the last of them
+    optimizer.step()
+
+- :class:`DataParallel` (lab 08) keeps the gradients in flat **buckets** of
+  ``bucket_cap_mb`` and launches each bucket's all-reduce from a backward hook as soon as
+  its last gradient is accumulated, so communication runs while backward computes the
+  gradients of earlier layers (Li et al. 2020, "PyTorch Distributed", VLDB: the design of
+  torch's DDP). ``bucket_cap_mb=None`` is one all-reduce per parameter.
+- :class:`OneShotDataParallel` (lab 04) waits for the end of backward, then reduces every
+  gradient in one blocking all-reduce: kept for comparison.
+
+Averaged gradients give the single-process update on the global batch when each rank's
+loss is its share of the global mean (see :func:`shard_loss_weight`): the rule every
+strategy of this course is tested against.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import numbers
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.backend import check_module_devices
+from distlab.comm import in_group
+
+MB = 1 << 20  # torch's DDP counts bucket_cap_mb in MiB; so do we
+
+
+def allreduce_gradients(module: nn.Module, group=None) -> None:
+    """Every ``.grad`` of ``module`` becomes its mean over the ranks of ``group``;
+    parameters without a gradient (frozen, or unused by the loss) are left alone.
+    Tied parameters appear once in ``module.parameters()`` and are reduced once. A rank
+    that is not a member of ``group`` returns at once, as torch's collectives do.
+
+    The gradients are copied into one flat buffer per dtype and device and reduced with
+    a single all-reduce: small tensors one by one would pay the latency of a collective
+    each (PyTorch's DDP groups them in buckets for the same reason). SUM, then divide:
+    ``ReduceOp.AVG`` is not offered by every backend and version (older gloo lacks it)."""
+    if not in_group(group):
+        return
+    world = dist.get_world_size(group)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in module.parameters():
+        if p.grad is not None:
+            if p.grad.is_sparse:
+                raise ValueError("allreduce_gradients handles dense gradients only; build "
+                                 "embeddings with sparse=False")
+            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for grads in groups.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(world)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+
+def shard_loss_weight(local_count: int, global_count: int, world_size: int) -> float:
+    """The factor for a rank's mean loss over its ``local_count`` items so that the mean
+    over ranks of the weighted losses is the mean over all ``global_count`` items:
+    ``local_count * world_size / global_count`` (1 when the batch splits evenly).
+    torch's DDP averages over ranks too, so uneven shards need this weight as well."""
+    if global_count < 1:
+        raise ValueError(f"global_count must be >= 1, got {global_count}")
+    return local_count * world_size / global_count
+
+
+def plan_buckets(params, bucket_cap_mb: float | None = 25) -> list[list[int]]:
+    """Which parameters share a bucket: lists of indices into ``params``, in the order
+    the buckets are all-reduced.
+
+    Torch DDP's rule (``compute_bucket_assignment_by_size``): walk the parameters in
+    reverse, as backward produces the gradients of the last layers first; keep one open
+    bucket per dtype and device; a bucket closes as soon as it holds at least
+    ``bucket_cap_mb`` MiB, so a parameter larger than the cap fills a bucket of its own.
+    ``None``: one bucket per parameter. Unlike DDP, no 1 MiB first bucket and no
+    re-bucketing in the order gradients arrived (see lab 08 for why)."""
+    if bucket_cap_mb is not None and (isinstance(bucket_cap_mb, bool) or not isinstance(
+            bucket_cap_mb, numbers.Real)):
+        raise TypeError(f"bucket_cap_mb is a size in MiB (a number) or None, got "
+                        f"{type(bucket_cap_mb).__name__}; pass a process group as group=...")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0 (MiB), or None for one bucket per "
+                         f"parameter; got {bucket_cap_mb}")
+    cap = 0 if bucket_cap_mb is None else bucket_cap_mb * MB
+    buckets, open_, size = [], {}, {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, p.device)
+        open_.setdefault(key, []).append(i)
+        size[key] = size.get(key, 0) + p.numel() * p.element_size()
+        if size[key] >= cap:
+            buckets.append(open_.pop(key))
+            size[key] = 0
+    return buckets + list(open_.values())
+
+
+def broadcast_state(module: nn.Module, group=None) -> None:
+    """Rank 0 of ``group`` sends its parameters and buffers to every other member."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+class _Replicated(nn.Module):
+    """What both wrappers share: checks, the broadcast, ``forward``, ``no_sync``."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{type(self).__name__} wraps an nn.Module, got "
+                            f"{type(module).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs a process group: call it inside "
+                               f"a function run by distlab.launch.run (or under torchrun)")
+        self.module = module
+        self.group = group
+        self.require_sync = True
+        self.member = in_group(group)
+        if self.member:
+            check_module_devices(module)
+            broadcast_state(module, group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient synchronisation inside the block (gradient accumulation): the
+        gradients add up locally, and the first synchronised backward after the block
+        averages the accumulated sum once."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+
+class OneShotDataParallel(_Replicated):
+    """``OneShotDataParallel(module, group=None)``, lab 04's version: after
+    ``loss.backward()``, :meth:`finish_gradient_synchronization` averages every gradient
+    with one blocking all-reduce (:func:`allreduce_gradients`). Nothing overlaps: the
+    link idles during backward and the GPU idles during the all-reduce. A rank that is
+    not a member of ``group`` does nothing."""
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average every gradient over the group (unless inside :meth:`no_sync`)."""
+        if self.require_sync and self.member:
+            allreduce_gradients(self.module, self.group)
+
+
+class _Bucket:
+    """One flat buffer: the gradients of ``params`` (each ``.grad`` a view into it, as
+    DDP's ``gradient_as_bucket_view``), then one "used" flag per parameter."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        sizes = [p.numel() for p in params]
+        self.flat = torch.zeros(sum(sizes) + len(params), dtype=params[0].dtype,
+                                device=params[0].device)
+        pieces = self.flat.split(sizes + [len(params)])
+        self.views = [piece.view_as(p) for piece, p in zip(pieces, params)]
+        self.ptrs = [v.data_ptr() for v in self.views]
+        self.grads = self.flat[:sum(sizes)]   # the gradients' part, zeroed in one kernel
+        self.flags = pieces[-1]
+        self.ready: set[int] = set()   # positions whose gradient this backward produced
+        self.fresh: set[int] = set()   # positions given a zeroed view before this backward
+        self.handle = None             # the all-reduce in flight
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def attach(self) -> None:
+        """Give each parameter whose ``.grad`` is None its zeroed view, so that autograd
+        adds the coming gradient into the bucket in place (no copy per parameter)."""
+        none = [j for j, p in enumerate(self.params) if p.grad is None]
+        if not none:
+            return
+        if len(none) == len(self.params):
+            self.grads.zero_()
+        else:
+            for j in none:
+                self.views[j].zero_()
+        for j in none:
+            self.params[j].grad = self.views[j]
+        self.fresh.update(none)
+
+
+class DataParallel(_Replicated):
+    """``DataParallel(module, bucket_cap_mb=25, group=None)``: replicate ``module`` over
+    the ranks of ``group`` (the default group when None) and overlap the gradient
+    all-reduce with the backward pass.
+
+    - The parameters that need gradients are grouped into buckets by
+      :func:`plan_buckets` (reverse parameter order, ``bucket_cap_mb`` MiB, ``None`` for
+      one bucket per parameter). Each bucket is one flat buffer and the gradients become
+      views into it: ``forward`` gives every parameter whose ``.grad`` is None its zeroed
+      view (one kernel per bucket), and autograd then adds the gradient into the bucket
+      in place, so backward copies nothing and the hooks stay cheap on the host.
+    - A post-accumulate-grad hook on each parameter marks its gradient ready; when a
+      bucket's last gradient is ready and every earlier bucket has been launched, its
+      all-reduce is launched asynchronously. Buckets launch strictly in order, so every
+      rank issues the same collectives in the same order (a rank that issued them as
+      they filled up could pair its bucket 3 with another rank's bucket 2).
+    - The averaging is folded into the collective (``ReduceOp.AVG`` where the backend has
+      it, else a division before the sum).
+    - :meth:`finish_gradient_synchronization` (after backward, before the optimizer
+      step) launches what backward left (buckets with a parameter that got no gradient
+      this step, zeros in its place) and waits for every bucket.
+    - A parameter that gets no gradient on any rank keeps ``.grad`` None, as in one
+      process: each bucket carries a flag per parameter, summed with the gradients, that
+      says whether any rank produced that gradient (no extra collective; a host read
+      only in steps where some parameter got no gradient here). One used on some ranks
+      only gets the average like any other. Such a step launches its bucket, and every
+      later one, from :meth:`finish_gradient_synchronization`: correct, not overlapped
+      (torch's DDP with ``find_unused_parameters=True`` walks the autograd graph after
+      forward to mark them earlier).
+    - Tied parameters are one tensor, one hook, one slot; frozen ones (``requires_grad``
+      False when the wrapper is built) are left out.
+
+    ``channel`` says how a bucket's all-reduce is issued (:func:`distlab.dp.channels.channel`):
+    ``"auto"`` gives torch.distributed's async work handles (on NCCL, torch's own
+    communication stream, ordered by events); ``"stream"`` a CUDA communication stream of
+    our own, ordered by events from Python; ``"raw-nccl"`` calls NCCL through cupy on a
+    stream of our own. A rank that is not a member of ``group`` gets an inert
+    wrapper: no broadcast, no hooks, nothing to synchronise."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25, group=None, *,
+                 channel: str = "auto"):
+        params = [p for p in module.parameters() if p.requires_grad] if isinstance(
+            module, nn.Module) else []
+        plan = plan_buckets(params, bucket_cap_mb)  # bad sizes fail before any collective
+        super().__init__(module, group)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.buckets: list[_Bucket] = []
+        self._hooks = []
+        if not self.member:
+            return
+        from distlab.dp import channels as overlap
+
+        self.buckets = [_Bucket([params[i] for i in idx]) for idx in plan]
+        self.channel = overlap.channel(channel, group, params[0].device if params else None)
+        me = weakref.ref(self)
+        for i, b in enumerate(self.buckets):  # hooks hold indices: dropping the wrapper
+            for j, p in enumerate(b.params):   # frees its buckets, even if the model lives
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_grad_ready, me, i, j)))
+        self._next = 0  # the next bucket to launch
+
+    def forward(self, *args, **kwargs):
+        if self.buckets and torch.is_grad_enabled():
+            for b in self.buckets:
+                b.attach()
+        return self.module(*args, **kwargs)
+
+    def _on_grad(self, i: int, j: int) -> None:
+        """The hook: parameter ``j`` of bucket ``i`` has its gradient for this backward.
+        Kept lean: it runs once per parameter per step, on the host's critical path."""
+        bucket = self.buckets[i]
+        if not self.require_sync:
+            bucket.fresh.discard(j)  # a no_sync backward wrote it: a gradient, if not this one's
+            return
+        if bucket.handle is not None:
+            raise RuntimeError(
+                "a gradient arrived for a bucket that was already all-reduced this step: call "
+                "finish_gradient_synchronization() after every backward, and run the extra "
+                "backward passes of gradient accumulation inside no_sync()")
+        _into_bucket(bucket, j)
+        bucket.ready.add(j)
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(flush=False)
+
+    def _launch(self, flush: bool) -> None:
+        """Launch, in order, every bucket whose gradients are all ready (all of the
+        remaining ones when ``flush``)."""
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not flush and len(bucket.ready) < len(bucket.params):
+                return
+            bucket.flags.fill_(1)
+            for j in _waiting(bucket):
+                if _no_gradient(bucket, j):  # none here this step: contribute zeros
+                    bucket.views[j].zero_()
+                    bucket.flags[j] = 0
+                else:                        # accumulated earlier (no_sync), not by this backward
+                    _into_bucket(bucket, j)
+            bucket.handle = self.channel.launch(bucket.flat)
+            self._next += 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch the buckets backward did not, wait for every all-reduce, and leave each
+        ``.grad`` the mean over the group (unless inside :meth:`no_sync`)."""
+        if not self.require_sync or not self.buckets:
+            return
+        missing = [(b, j) for b in self.buckets for j in _waiting(b) if _no_gradient(b, j)]
+        self._launch(flush=True)
+        self.channel.wait([b.handle for b in self.buckets])
+        if missing:  # did any rank produce these gradients? (one host read, rare steps)
+            used = torch.stack([b.flags[j] for b, j in missing]).cpu() > 0
+            for (b, j), u in zip(missing, used.tolist()):
+                b.params[j].grad = b.views[j] if u else None
+        for b in self.buckets:
+            b.ready.clear()
+            b.fresh.clear()
+            b.handle = None
+        self._next = 0
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes each bucket all-reduces (gradients and flags), in launch order."""
+        return [b.nbytes for b in self.buckets]
+
+
+def _grad_ready(wrapper_ref, i, j, _param) -> None:
+    wrapper = wrapper_ref()
+    if wrapper is not None:   # a wrapper that was dropped leaves its module alone
+        wrapper._on_grad(i, j)
+
+
+def _waiting(bucket: _Bucket) -> list[int]:
+    """Positions of ``bucket`` whose gradient this backward has not produced (none, in
+    the common step: no walk over its parameters then)."""
+    if len(bucket.ready) == len(bucket.params):
+        return []
+    return [j for j in range(len(bucket.params)) if j not in bucket.ready]
+
+
+def _no_gradient(bucket: _Bucket, j: int) -> bool:
+    """Whether parameter ``j`` of ``bucket`` has no gradient on this rank this step:
+    ``.grad`` None, or still the zeroed view that forward gave it."""
+    grad = bucket.params[j].grad
+    return grad is None or (j in bucket.fresh and grad.data_ptr() == bucket.ptrs[j])
+
+
+def _into_bucket(bucket: _Bucket, j: int) -> None:
+    """Make parameter ``j``'s ``.grad`` its view of ``bucket``, copying the gradient in
+    where autograd made a tensor of its own (``.grad`` None without forward's view, or
+    replaced by a backward with ``create_graph=True``)."""
+    p = bucket.params[j]
+    grad = p.grad
+    if grad.is_sparse:
+        raise ValueError("DataParallel handles dense gradients only; build embeddings "
+                         "with sparse=False")
+    if grad.data_ptr() != bucket.ptrs[j]:
+        bucket.views[j].copy_(grad)
+        p.grad = bucket.views[j]

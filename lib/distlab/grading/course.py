@@ -1,0 +1,141 @@
+"""The labs as an nbgrader course, with the kit's grader as nbgrader's autograder.
+
+    python -m distlab.grading.course COURSE_DIR [--lab 00_setup --lab 04_data_parallel]
+
+writes each solution notebook as the nbgrader assignment of the same name,
+``COURSE_DIR/source/NN_name/NN_name.ipynb``, with an autograder cell after each exercise
+cell: locked, ``"grade": true``, worth one point per test of that exercise's CPU tier
+(the tests ``make grade`` runs on any machine). The cell runs the kit's grader on the
+notebook file (nbgrader runs it in the notebook's folder) and its value is the cell's
+score, which nbgrader takes as partial credit; so ``nbgrader autograde`` records the
+points ``make grade`` gives. On a machine with GPUs the grader also runs the gpu tiers:
+the cell then scores the share of the tests run that passed, scaled to its points.
+
+It also writes ``COURSE_DIR/nbgrader_config.py`` when the course has none: the kit's
+stub (so ``nbgrader generate_assignment`` gives exactly ``labs/`` plus the autograder
+cells) and a cell timeout a whole lab fits in.
+
+The autograder cell runs in the kernel that ran the student's cells, as every nbgrader
+test does, so code in the notebook can tamper with it. The kit's own grader runs
+student code only in separate processes: ``python -m distlab.grading`` on the collected
+submissions gives the points to trust.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+
+from distlab.grading import notebook, runner
+
+SOLUTIONS = Path(__file__).resolve().parents[3] / "solutions"  # in a checkout of the kit
+CONFIG = '''\
+c = get_config()  # noqa: F821  (written by python -m distlab.grading.course)
+# The kit's stub, as in labs/: the release equals labs/ plus the autograder cells.
+c.ClearSolutions.code_stub = {"python": "raise NotImplementedError"}
+# A lab runs for minutes, and each autograder cell runs that exercise's tests.
+c.Execute.timeout = 1800
+'''
+
+
+def cpu_test_counts(names: list[str], tests_dir: Path = runner.TESTS) -> dict[str, int]:
+    """Exercise name → the number of its tests outside the gpu and multigpu tiers."""
+    files = [tests_dir / f"test_{name}.py" for name in names]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"no autograder tests for {', '.join(missing)} in {tests_dir}")
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "-m", "not gpu and not multigpu",
+                          *map(str, files)],
+                         cwd=tests_dir, capture_output=True, text=True, timeout=300)
+    counts = dict.fromkeys(names, 0)
+    for line in run.stdout.splitlines():
+        name = Path(line.split("::")[0]).stem.removeprefix("test_")
+        if "::" in line and name in counts:
+            counts[name] += 1
+    if run.returncode or not all(counts.values()):
+        raise RuntimeError(f"could not count the tests of {names}:\n{run.stdout}{run.stderr}")
+    return counts
+
+
+def autograder_cell(notebook_file: str, name: str, points: int):
+    """The locked nbgrader test cell that grades exercise ``name``."""
+    source = (f"# AUTOGRADER: the tests of {name}, as `make grade` runs them "
+              f"(one point each)\n"
+              f"from distlab.grading.course import autograde\n\n"
+              f"autograde({notebook_file!r}, {name!r}, points={points})")
+    return nbformat.v4.new_code_cell(source, metadata={"nbgrader": {
+        "grade": True, "grade_id": f"{name}_tests", "locked": True, "points": points,
+        "schema_version": 3, "solution": False, "task": False}})
+
+
+def source_notebook(nb, notebook_file: str, points: dict[str, int]):
+    """A copy of solution notebook ``nb`` with an autograder cell after each exercise."""
+    out = nbformat.v4.new_notebook(metadata=nb.metadata)
+    for cell in nb.cells:
+        out.cells.append(cell)
+        name = notebook.grade_id(cell)
+        if name:
+            out.cells.append(autograder_cell(notebook_file, name, points[name]))
+    return out
+
+
+def write_course(course: Path, labs: list[str] | None = None, solutions: Path = SOLUTIONS,
+                 points: dict[str, int] | None = None) -> list[Path]:
+    """Write the source notebooks (all of ``solutions``, or the ``labs`` named by their
+    stem) into nbgrader course directory ``course``, and its config when it has none.
+    ``points`` (exercise → points) defaults to each exercise's number of CPU tests."""
+    every = sorted(solutions.glob("*.ipynb"))
+    paths = [solutions / f"{lab}.ipynb" for lab in labs] if labs else every
+    for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path} does not exist; the labs are "
+                                    f"{', '.join(p.stem for p in every)}")
+    books = {path: nbformat.read(path, as_version=4) for path in paths}
+    if points is None:
+        points = cpu_test_counts([name for nb in books.values()
+                                  for name in notebook.exercises(nb)])
+    written = []
+    for path, nb in books.items():
+        dest = course / "source" / path.stem / path.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(source_notebook(nb, path.name, points), dest)
+        written.append(dest)
+    config = course / "nbgrader_config.py"
+    if not config.exists():
+        config.write_text(CONFIG)
+    return written
+
+
+def autograde(notebook_file: str, name: str, points: int) -> float:
+    """The autograder cell's work: grade exercise ``name`` of the notebook file with the
+    kit's grader, print its verdict, and return the score out of ``points``."""
+    [result] = runner.grade(Path(notebook_file), only=[name])
+    print(runner.table([result]))
+    if not result.max_points:
+        return 0.0
+    return round(points * result.points / result.max_points, 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m distlab.grading.course", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("course", type=Path, help="the nbgrader course directory")
+    parser.add_argument("--lab", action="append", help="only this lab (e.g. 00_setup)")
+    args = parser.parse_args(argv)
+    try:
+        written = write_course(args.course, args.lab)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next, in {args.course}: nbgrader generate_assignment NN_name")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

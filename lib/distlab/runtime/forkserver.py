@@ -1,0 +1,302 @@
+"""Rank processes in milliseconds: a server that imported torch once and forks them.
+
+Starting a rank as a fresh Python costs seconds (importing torch) — on a 2-core machine
+four of them take about 4 s, for every new world size and after every failure. The
+launcher instead starts this server once; it imports torch (and nothing that starts a
+thread or touches CUDA) and forks each rank on request, which takes milliseconds. The
+same idea as ``multiprocessing``'s forkserver with preloaded modules, kept minimal so
+that the launcher controls each child's pipes, session and lifetime.
+
+Safety rules, because a wrong PID in a kill can end every process of the user:
+
+* Every request carries a number and its reply carries it back; an exchange that is
+  interrupted, times out or gets a reply out of turn throws the server away (its
+  ranks die with it), so no later request can read an earlier one's answer.
+* The server hands the launcher a pidfd of each child (SCM_RIGHTS): signals go through
+  it, and a pidfd never reaches another process, even after its PID is recycled.
+* The server never reaps a child until the launcher asks. Until then the PID, and the
+  process group the child leads, stay the child's; group kills go through the server,
+  which checks that the child is its own and unreaped. Nothing is ever sent to PID ≤ 1.
+
+Linux only (fork after importing torch is unsafe on macOS); elsewhere the launcher starts
+ranks as fresh interpreters. The server exits when the launcher's end of its socket
+closes, and its children die with it (PR_SET_PDEATHSIG).
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+_MAX_MESSAGE = 1 << 20
+REPLY_TIMEOUT = 30.0  # seconds the server may take to answer one request
+
+
+class ForkServerError(OSError):
+    """The fork server died, or an exchange with it broke; the server is discarded."""
+
+
+def wait_readable(fd: int, timeout: float | None) -> bool:
+    """True when ``fd`` becomes readable within ``timeout`` seconds (poll: any fd number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, int(timeout * 1000))
+    return bool(poller.poll(ms))
+
+
+class Child:
+    """A process forked by the server: waitable (``fileno``), killable, with an exit code."""
+
+    def __init__(self, server: "ForkServer", pid: int, pidfd: int):
+        if pid <= 1:
+            raise ForkServerError(f"the fork server answered with PID {pid}")
+        self.server, self.pid, self.fd = server, pid, pidfd
+        self._code: int | None = None
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the process has exited (waits up to ``timeout`` seconds)."""
+        return self.fd < 0 or wait_readable(self.fd, timeout)
+
+    def alive(self) -> bool:
+        return not self.wait(0)
+
+    def kill(self) -> None:
+        """SIGKILL the child and its process group (never raises)."""
+        if self.fd >= 0:
+            try:
+                signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+            except OSError:  # already gone
+                pass
+        if self._code is None:
+            self.server.kill_group(self.pid)
+
+    def returncode(self, timeout: float = 5.0) -> int | None:
+        """As subprocess: the exit status, or minus the signal that killed it; reaps the
+        child. None if it has not exited within ``timeout``."""
+        if self._code is None:
+            if not self.wait(timeout):
+                return None
+            self._code = self.server.reap(self.pid)
+        return self._code
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class ForkServer:
+    """The launcher's handle on the server process."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ, DISTLAB_FORKSERVER_FD=str(theirs.fileno()),
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "distlab.runtime.forkserver"], env=env,
+                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        finally:
+            theirs.close()
+        ours.settimeout(REPLY_TIMEOUT)
+        self.sock = ours
+        self.lock = threading.Lock()
+        self.ids = itertools.count(1)
+        self.broken = False
+
+    def _ask(self, message, fds=()):
+        """One request, one reply; anything that breaks the exchange discards the server."""
+        with self.lock:
+            if self.broken:
+                raise ForkServerError("the rank fork server was discarded")
+            request = next(self.ids)
+            try:
+                socket.send_fds(self.sock, [pickle.dumps((request, message))], list(fds))
+                data, got_fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 1)
+                if not data:
+                    raise ForkServerError("the rank fork server exited")
+                number, reply = pickle.loads(data)
+                if number != request:
+                    for fd in got_fds:
+                        os.close(fd)
+                    raise ForkServerError(f"the fork server answered request {number} "
+                                          f"instead of {request}")
+                return reply, got_fds
+            except BaseException:  # an interrupt, a timeout, a dead server: never reuse it
+                self._discard()
+                raise
+
+    def spawn(self, env: dict, channel: int, stdout: int, stderr: int) -> Child:
+        """Fork a rank running ``distlab.runtime.worker.main`` with ``env``; the three file
+        descriptors become its channel to the launcher, its stdout and its stderr."""
+        try:
+            (_, pid), fds = self._ask(("spawn", env), (channel, stdout, stderr))
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            raise ForkServerError(f"the rank fork server failed ({exc})") from exc
+        if len(fds) != 1:
+            raise ForkServerError("the fork server sent no pidfd for the new rank")
+        return Child(self, pid, fds[0])
+
+    def reap(self, pid: int) -> int:
+        """The exit status of an exited child, which the server then forgets."""
+        try:
+            (_, code), _ = self._ask(("reap", pid))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            return -signal.SIGKILL  # the server is gone and its children with it
+        return code
+
+    def kill_group(self, pid: int) -> bool:
+        """SIGKILL the process group led by the server's unreaped child ``pid``; True if
+        the server sent the signal (it refuses for a PID that is not its unreaped child)."""
+        if self.broken or not self.alive():
+            return False
+        try:
+            (_, _, sent), _ = self._ask(("killpg", pid))
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            return False
+        return sent
+
+    def alive(self) -> bool:
+        return not self.broken and self.proc.poll() is None
+
+    def _discard(self) -> None:
+        self.broken = True
+        self.sock.close()
+        if self.proc.poll() is None:
+            self.proc.kill()  # Popen knows it has not reaped it: the PID is still ours
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def close(self) -> None:
+        """Close the socket: the server exits, and any children it still has die."""
+        with self.lock:
+            if self.broken:
+                return
+            self.broken = True
+            self.sock.close()
+        try:
+            self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+
+# ---------------------------------------------------------------------- the server side
+
+
+def _child(env: dict, channel: int, stdout: int, stderr: int, server_pid: int) -> None:
+    from distlab.runtime import worker
+
+    os.setsid()  # a session of its own: the launcher kills the rank's whole group
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    os.close(stdout)
+    os.close(stderr)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    run_as = env.get("DISTLAB_RUN_AS")
+    if run_as:  # the autograder's ranks run students' code as an unprivileged user
+        from distlab.runtime.privileges import drop_privileges
+
+        drop_privileges(*(int(x) for x in run_as.split(":")))
+    os.environ.clear()
+    os.environ.update(env, DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(server_pid))
+    worker.main()  # sets PR_SET_PDEATHSIG, which a change of user would have cleared
+
+
+def _exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _serve(sock, children: set[int]) -> bool:
+    """Answer one request; False when the launcher is gone."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+    except OSError:
+        return False
+    if not data:
+        return False
+    request, message = pickle.loads(data)
+    reply_fds: list[int] = []
+    if message[0] == "spawn":
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                sock.close()
+                _child(message[1], *fds, server_pid)
+            except BaseException:  # a rank that fails to start says why on its stderr
+                import traceback
+
+                traceback.print_exc()
+                sys.stderr.flush()
+            finally:
+                os._exit(1)
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        reply_fds = [os.pidfd_open(pid)]
+        reply = ("pid", pid)
+    elif message[0] == "killpg":
+        pid, sent = message[1], False
+        if pid in children and pid > 1:  # ours and unreaped: the group is the child's
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                sent = True
+            except (ProcessLookupError, PermissionError):
+                pass
+        reply = ("killed", pid, sent)
+    elif message[0] == "reap":
+        pid, code = message[1], -1
+        if pid in children:
+            children.discard(pid)
+            try:
+                code = _exit_code(os.waitpid(pid, 0)[1])
+            except ChildProcessError:
+                pass
+        reply = ("status", code)
+    else:
+        reply = ("error", f"unknown request {message[0]!r}")
+    socket.send_fds(sock, [pickle.dumps((request, reply))], reply_fds)
+    for fd in reply_fds:
+        os.close(fd)
+    return True
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(os.environ.pop("DISTLAB_FORKSERVER_FD")))
+    # What every rank needs, imported once. Nothing here may start a thread or CUDA.
+    import cloudpickle  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    from distlab import comm  # noqa: F401
+    from distlab.runtime import plain, worker  # noqa: F401
+
+    children: set[int] = set()
+    warmed = False
+    while True:
+        if not warmed and not wait_readable(sock.fileno(), 0.5):
+            # While idle (never while ranks wait to be forked): what torch's optimizers
+            # import on their first step, seconds a rank would otherwise spend itself.
+            import torch._dynamo  # noqa: F401
+
+            warmed = True
+        if not _serve(sock, children):
+            break
+
+
+if __name__ == "__main__":
+    main()

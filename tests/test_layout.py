@@ -1,0 +1,141 @@
+"""The library's layout holds: no import cycle, no strategy reaching into another's
+private names, no module grown past one concept's size, and every module named in a
+string (``python -m``, a pytest plugin, the launcher's frame filter) still there."""
+import ast
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+import distlab
+from distlab.runtime import report
+
+LIB = Path(distlab.__file__).resolve().parent
+MODULES = {
+    ".".join(("distlab", *p.relative_to(LIB).with_suffix("").parts)).removesuffix(".__init__"): p
+    for p in sorted(LIB.rglob("*.py")) if "exercises" not in p.parts}
+MAX_LINES = 500  # about one concept; a module past it is two
+
+
+def _imports(name: str, path: Path):
+    """(imported module, names) for every import in the module, at any depth."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}".rstrip(".")
+            yield base, [alias.name for alias in node.names]
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {name: set() for name in MODULES}
+    for name, path in MODULES.items():
+        for module, names in _imports(name, path):
+            # `from distlab.pp import schedule` imports the submodule; other names, the package
+            targets = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+            if len(targets) < len(names) or not names:
+                targets.append(module)
+            graph[name].update(t for t in targets if t in MODULES and t != name)
+    return graph
+
+
+def _cycle(graph) -> list[str]:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = "done"
+        stack.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_the_import_graph_has_no_cycle():
+    cycle = _cycle(_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_planted_cycle():
+    graph = _graph()
+    graph["distlab.comm"] = graph["distlab.comm"] | {"distlab.launch"}
+    graph["distlab.launch"] = graph["distlab.launch"] | {"distlab.comm"}
+    assert _cycle(graph)
+
+
+def test_no_package_imports_another_ones_private_names():
+    def owner(module):
+        parts = module.split(".")
+        return ".".join(parts[:2])
+
+    bad = [f"{name} imports {module}.{n}" for name, path in MODULES.items()
+           for module, names in _imports(name, path) if module.startswith("distlab")
+           for n in names if n.startswith("_") and owner(module) != owner(name)]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_outgrows_one_concept(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{name} has {lines} lines: split it by concept"
+
+
+def _module_strings():
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(
+                    r"distlab(\.\w+)+", node.value):
+                yield name, node.value
+
+
+def test_every_module_named_in_a_string_exists():
+    named = list(_module_strings())
+    wanted = {"distlab.runtime.worker", "distlab.runtime.forkserver",
+              "distlab.grading.sandbox", "distlab.grading.plugin"}
+    assert wanted <= {value for _, value in named}, "the -m and -p paths are found"
+    missing = [f"{where}: {value}" for where, value in named if not _resolves(value)]
+    assert not missing, missing
+
+
+def _resolves(dotted: str) -> bool:
+    """A module, or a module's attribute (``distlab.zero.memory.accounting``)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            found = importlib.util.find_spec(module)
+        except ModuleNotFoundError:
+            continue
+        if found is not None:
+            obj = importlib.import_module(module)
+            for attr in parts[cut:]:
+                if not hasattr(obj, attr):
+                    return False
+                obj = getattr(obj, attr)
+            return True
+    return False
+
+
+def test_the_launch_report_filters_frames_of_files_that_exist():
+    for part in report.MACHINERY:
+        if part.startswith("distlab/"):
+            assert (LIB.parent / part).is_file(), f"report.MACHINERY names {part}, which is gone"
