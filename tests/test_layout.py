@@ -139,3 +139,28 @@ def test_the_launch_report_filters_frames_of_files_that_exist():
     for part in report.MACHINERY:
         if part.startswith("distlab/"):
             assert (LIB.parent / part).is_file(), f"report.MACHINERY names {part}, which is gone"
+
+
+def test_an_installed_kit_finds_its_exercise_tests(tmp_path):
+    """Built as a wheel and installed elsewhere, the grader finds every exercise's tests
+    beside itself, not in a source checkout."""
+    import subprocess
+    import sys
+
+    root = LIB.parents[1]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "wheel"), str(root)], check=True, timeout=300,
+                   capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("distlab-*.whl")
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
+                    str(tmp_path / "site"), str(wheel)], check=True, timeout=300,
+                   capture_output=True)
+    probe = ("import distlab.grading.runner as r, sys; "
+             "print(r.TESTS); print(sorted(p.name for p in r.TESTS.glob('*.py')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(tmp_path / "site"),
+                                           "PATH": "/usr/bin:/bin"}, check=True).stdout
+    where, names = out.splitlines()
+    assert where.startswith(str(tmp_path / "site")), where
+    ours = sorted(p.name for p in (LIB / "grading" / "exercises").glob("*.py"))
+    assert names == str(ours)
