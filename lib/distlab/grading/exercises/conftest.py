@@ -3,7 +3,7 @@
 Each file sets ``NOTEBOOK`` (e.g. ``"03_ring_allreduce"``) and takes the ``student``
 fixture: the exercise cells that ``python -m distlab.grading`` extracted from the
 student's notebook (path in ``DISTLAB_STUDENT``), or, when a developer runs
-``pytest tests/exercises``, the ones extracted from ``solutions/``.
+``pytest lib/distlab/grading/exercises``, the ones extracted from ``solutions/``.
 
 The student's code is untrusted (see :mod:`distlab.grading.sandbox`), so this process never
 imports it:
