@@ -5,7 +5,8 @@ The packages, by role (docs/design.md is the map):
 - what every lab touches: :mod:`~distlab.launch`, :mod:`~distlab.comm`,
   :mod:`~distlab.backend`, :mod:`~distlab.model`, :mod:`~distlab.data`;
 - the strategies: :mod:`~distlab.collectives`, :mod:`~distlab.dp`, :mod:`~distlab.zero`,
-  :mod:`~distlab.tp`, :mod:`~distlab.pp`;
+  :mod:`~distlab.tp`, :mod:`~distlab.pp`, and :mod:`~distlab.mesh`, which lays them out on
+  one rank grid;
 - measuring and showing them: :mod:`~distlab.bench`, :mod:`~distlab.viz`,
   :mod:`~distlab.acceptance`;
 - underneath: :mod:`~distlab.runtime` (how ranks run) and :mod:`~distlab.grading`.
