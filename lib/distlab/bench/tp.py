@@ -9,7 +9,7 @@ communicator is created), the settings of :data:`distlab.bench.overlap.LINKS`: `
 is NCCL's default (NVLink P2P between GPUs of one node), ``host`` disables P2P so traffic
 goes through host shared memory (27 GB/s busbw on two H200s, about a 200 Gb/s NIC),
 ``socket`` also disables shared memory and uses TCP on the loopback interface (2.9 GB/s,
-about 25 GbE); figures from DESIGN.md. ``NCCL_NVLS_ENABLE=0`` throughout.
+about 25 GbE); figures from docs/design.md. ``NCCL_NVLS_ENABLE=0`` throughout.
 
 On each, the same global batch of the GPT in bf16 autocast (fp32 weights, AdamW with
 its foreach step) runs as:

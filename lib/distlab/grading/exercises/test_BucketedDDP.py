@@ -1,6 +1,6 @@
 """Exercise BucketedDDP(module, bucket_cap_mb=25, group=None) of lab 08.
 
-The contract (DESIGN.md): shaped like DataParallel (``.module``, rank 0's weights
+The contract (docs/design.md): shaped like DataParallel (``.module``, rank 0's weights
 broadcast at construction, ``finish_gradient_synchronization()`` after backward); the
 averaged gradients equal plain data parallel's; the all-reduces are launched from
 backward hooks, asynchronously, one per bucket, buckets in reverse parameter order (a
