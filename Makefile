@@ -20,6 +20,9 @@ endif
 DEPS_INDEX ?=
 LAB ?=
 PYTEST_ARGS ?=
+# make acceptance: which checks (comma-separated; default all) and where their JSON goes
+CHECKS ?=
+RESULTS ?= results
 # make test spreads the test files over this many worker processes (pytest-xdist; each
 # file stays on one worker: a notebook's cells share a kernel, a module's fixtures are
 # built once). TEST_WORKERS=0 runs everything in one process.
@@ -27,7 +30,7 @@ TEST_WORKERS ?= 2
 STAMP := $(VENV)/.distlab-installed
 EXTRAS_SPEC := .$(EXTRAS)
 
-.PHONY: help setup lab test test-browser grade nbval labs bench clean
+.PHONY: help setup lab test test-browser grade nbval labs bench acceptance clean
 
 help: ## list the targets
 	@echo "distlab — make targets (set LAB=03 to grade one lab):"
@@ -65,10 +68,13 @@ nbval: $(STAMP) ## check that the solution notebooks reproduce their outputs
 labs: $(STAMP) ## regenerate labs/ from solutions/ (answers replaced by stubs)
 	$(PY) -m distlab.grading.notebook release solutions labs
 
-bench: $(STAMP) ## launch cost, bandwidth sweeps of the collectives and of the ring all-reduce
+bench: $(STAMP) ## launch cost, bandwidth sweeps of the collectives and the ring (CPU-sized; GPU goals: make acceptance)
 	$(PY) -m distlab.bench.launch
 	$(PY) -m distlab.bench.collectives
 	$(PY) -m distlab.bench.ring
+
+acceptance: $(STAMP) ## the GPU acceptance suite into results/ (CHECKS=ring,zero to select; python -m distlab.acceptance --list)
+	$(PY) -m distlab.acceptance $(if $(CHECKS),--only $(CHECKS)) --out $(RESULTS)
 
 clean: ## remove the virtual environment and caches
 	rm -rf $(VENV) build lib/*.egg-info grade-report.json

@@ -27,7 +27,8 @@ the figure is the median over rounds. A torch.profiler trace of a few steps give
 share of the step during which an NCCL kernel ran (:func:`distlab.bench.trace.kernel_timeline`:
 the union of the NCCL kernels' spans, over the time from the first kernel to the last). Prints a table; writes
 ``tp_bench.json``, ``tp_bench.png`` and rank 0's traces (``trace_<link>_<variant>.json.gz``,
-for https://ui.perfetto.dev) to ``--out``.
+for https://ui.perfetto.dev) to ``--out``. It exits 1 when a variant failed or, on NCCL,
+distlab TP took more than :data:`GOAL` times torch TP's step on a link (:func:`goal_misses`).
 """
 from __future__ import annotations
 
@@ -204,6 +205,20 @@ def failures(results: dict) -> list[str]:
     return found
 
 
+GOAL = 1.15  # distlab TP's step time over torch TP's, at most, on every link (NCCL only)
+
+
+def goal_misses(results: dict, backend: str) -> list[str]:
+    """What :func:`failures` finds, and on NCCL each link where distlab TP's step took
+    more than :data:`GOAL` times torch TP's (on gloo the times are a smoke test's)."""
+    found = failures(results)
+    for link, rows in results.items() if backend == "nccl" else ():
+        ours, theirs = (rows.get(v, {}).get("step_s") for v in ("distlab TP", "torch TP"))
+        if ours and theirs and ours / theirs > GOAL:
+            found.append(f"{link}: distlab TP / torch TP {ours / theirs:.3f} > {GOAL}")
+    return found
+
+
 def table(results: dict) -> str:
     from distlab.units import human_bytes
 
@@ -283,7 +298,10 @@ def main(argv=None) -> int:
                f"{args.batch_size}x{seq}, {args.dtype}").savefig(args.out / "tp_bench.png", dpi=120,
                                                                   bbox_inches="tight")
     print(f"# wrote {args.out / 'tp_bench.json'} and {args.out / 'tp_bench.png'}")
-    return 1 if failures(results) else 0
+    misses = goal_misses(results, name)
+    print("\n".join(f"# goal missed: {m}" for m in misses) or f"# every goal met (distlab TP "
+          f"within {GOAL}x torch TP's step time on NCCL; every variant ran)")
+    return 1 if misses else 0
 
 
 if __name__ == "__main__":

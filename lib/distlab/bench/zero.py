@@ -26,9 +26,9 @@ On the 98M-parameter GPT of lab 04 (``config("gpt-100m", vocab_size=16384)``), e
 It prints a table and writes ``zero_bench.json`` and ``zero_bench.png`` into ``--out``.
 Goals: kernel within 1.2x of the fused AdamW; model states, step buffers and the peak
 each within 10 % of the accounting, nothing left behind; ZeRO-3 / FSDP2 step time at
-most 1.15. With gloo (``--backend gloo``, the tiny model) it runs on CPUs as a smoke
-test: the kernel is skipped and memory is measured by a
-:class:`distlab.zero.memory.StorageTracker`.
+most 1.15; a miss exits 1 (:func:`goal_misses`). With gloo (``--backend gloo``, the tiny
+model) it runs on CPUs as a smoke test: the kernel is skipped and memory is measured by
+a :class:`distlab.zero.memory.StorageTracker`; there only a failed section is a miss.
 """
 from __future__ import annotations
 
@@ -381,6 +381,24 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def goal_misses(results: list[dict]) -> list[str]:
+    """Goals missed and sections failed, in words; on CPUs (the smoke test) only failures."""
+    gpu, speed = results[0].get("device", "CPU") != "CPU", results[0].get("speed", {})
+    kernel, memory, zero3 = (GOALS[k] for k in ("kernel / fused AdamW", "memory error",
+                                                 "ZeRO-3 / FSDP2"))
+    out = [f"rank {i} {n}: {r[n]['error']}" for i, r in enumerate(results)
+           for n in ("kernel", "memory", "speed") if "error" in r.get(n, {})] + [
+        f"speed, AdamW {o}, {n}: {x['error']}" for o, runs in speed.get("runs", {}).items()
+        for n, x in runs.items() if "error" in x]
+    for i, r in enumerate(results if gpu else ()):
+        k, m = r.get("kernel", {}).get("kernel / fused AdamW"), r.get("memory", {})
+        out += [f"rank {i} kernel / fused AdamW {k or 0:.3f} > {kernel}"] * ((k or 0) > kernel)
+        out += [f"rank {i} {s} {n} {x:+.4g}" for s in STRATEGIES if s in m for n, x in m[s].items()
+                if n.endswith("error") and abs(x or 0) > memory or n == "left behind" and x > 0]
+    return out + [f"ZeRO-3 / FSDP2 with AdamW {o} {x:.3f} > {zero3}" for o, x in
+                  speed.get("ZeRO-3 / FSDP2", {}).items() if gpu and x > zero3]
+
+
 def _pct(x) -> str:
     return "" if x is None else f"{100 * x:+.1f}%"
 
@@ -474,7 +492,8 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"no figure ({e}); the JSON has every number")
     print(f"wrote {args.out / 'zero_bench.json'}")
-    return 0
+    print("\n".join(f"goal missed: {m}" for m in goal_misses(results)) or "every goal met")
+    return 1 if goal_misses(results) else 0
 
 
 if __name__ == "__main__":

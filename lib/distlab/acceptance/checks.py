@@ -1,0 +1,306 @@
+"""The acceptance checks: each starts its bench (``python -m distlab.bench.NAME``, the
+notebooks' tests, the grader) in a subprocess and judges what it wrote. The benches
+hold the measuring; the goals of zero and tp live beside them
+(:func:`distlab.bench.zero.goal_misses`, :func:`distlab.bench.tp.goal_misses`); the others'
+goals are stated here, each where its check judges it."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from distlab.acceptance import nccl_tests
+from distlab.acceptance.registry import Check, CheckError, Context, Verdict, register
+
+RING_GOAL = 0.8          # the reference ring's busbw over NCCL's all_reduce's, at least
+NCCL_TESTS_GOAL = 1.15   # distlab.bench.collectives --api nccl over nccl-tests' time, at most
+OVERLAP_GOAL = 1.05      # bucketed DataParallel's step time over torch DDP's, at most
+BUBBLE_TOLERANCE = 0.05  # measured idle fraction against (p-1)/(m+p-1) at m <= 2, at most
+
+
+def _json(path: Path, proc) -> dict:
+    """The JSON a bench wrote; CheckError (with its output) if it wrote none."""
+    if not path.exists():
+        raise CheckError(f"{proc.describe()}; no {path.name} was written\n{proc.tail()}")
+    return json.loads(path.read_text())
+
+
+def _table(columns: list[str], rows: list[list]) -> dict:
+    return {"columns": columns, "rows": rows}
+
+
+def ring(ctx: Context) -> Verdict:
+    from distlab.bench.ring import Result
+    from distlab.units import size_label
+
+    out = ctx.scratch / "ring"
+    proc = ctx.python("-m", "distlab.bench.ring", "--backend", "nccl", "-n", "2", "-b", "64M",
+                      "-e", "1G", "-f", "2", "--graph", "--out", out)
+    result = Result(**_json(out / "ring_bench.json", proc))
+    proc.check()
+    ours, nccl = result.busbw("reference ring"), result.busbw("backend")
+    ratios, spread = result.ratio["reference ring"], result.spread["reference ring"]
+    misses = [f"{size_label(s)}: reference ring at {r:.3f}x NCCL's busbw, below {RING_GOAL}x"
+              for s, r in zip(result.sizes, ratios) if r < RING_GOAL]
+    rows = [[size_label(s), n / 1e9, o / 1e9, r, f"{lo:.2f}-{hi:.2f}"]
+            for s, n, o, r, (lo, hi) in zip(result.sizes, nccl, ours, ratios, spread)]
+    return Verdict(misses, {
+        "sizes": result.sizes, "busbw_nccl": nccl, "busbw_ring": ours, "ratio": ratios,
+        "spread": spread, "rounds": result.rounds, "graph": result.graph,
+        "table": _table(["size", "NCCL all_reduce busbw (GB/s)", "reference ring (GB/s)",
+                         "ratio (median)", "range over rounds"], rows)})
+
+
+def bench_vs_nccl_tests(ctx: Context) -> Verdict:
+    from distlab.units import size_label
+
+    capability = (ctx.environment.get("compute_capability") or ["9.0"])[0]
+    binaries, env = nccl_tests.build(ctx, capability)
+    reference = nccl_tests.run_all(ctx, binaries, env, 2, ctx.scratch / "nccl-tests")
+    out = ctx.scratch / "bench"
+    proc = ctx.python("-m", "distlab.bench.collectives", "-n", "2", "--backend", "nccl", "-b", "8",
+                      "-e", "1G", "-f", "2", "-w", "10", "-i", "50", "-r", "3", "--api", "nccl",
+                      "--nccl-tests", reference, "--out", out)
+    compared = _json(out / "bench.json", proc).get("vs_nccl_tests") or []
+    proc.check()
+    if not compared:
+        raise CheckError("the bench compared no size with nccl-tests' outputs")
+    misses = [f"{c['op']} at {size_label(c['size'])}: {c['ratio']:.3f}x nccl-tests' time, "
+              f"above {NCCL_TESTS_GOAL}x" for c in compared if c["ratio"] > NCCL_TESTS_GOAL]
+    rows = []
+    for op in dict.fromkeys(c["op"] for c in compared):
+        mine = [c for c in compared if c["op"] == op]
+        worst = max(mine, key=lambda c: c["ratio"])
+        rows.append([op, f"{size_label(mine[0]['size'])} - {size_label(mine[-1]['size'])}",
+                     statistics.median(c["ratio"] for c in mine), worst["ratio"],
+                     size_label(worst["size"])])
+    return Verdict(misses, {"compared": compared, "table": _table(
+        ["op", "sizes", "ratio to nccl-tests (median)", "worst", "at"], rows)})
+
+
+def _zero(ctx: Context, world: int, sections: str) -> Verdict:
+    from distlab.bench import zero
+
+    out = ctx.scratch / "zero"
+    proc = ctx.python("-m", "distlab.bench.zero", "--world-size", str(world), "--backend", "nccl",
+                      "--sections", sections, "--out", out)
+    results = _json(out / "zero_bench.json", proc)
+    misses = zero.goal_misses(results)
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    rows = [[f"kernel / fused AdamW, rank {rank}", r["kernel"]["kernel / fused AdamW"],
+             f"<= {zero.GOALS['kernel / fused AdamW']}"] for rank, r in enumerate(results)
+            if "kernel / fused AdamW" in r.get("kernel", {})]
+    memory = [r["memory"] for r in results if "activations" in r.get("memory", {})]
+    for s in zero.STRATEGIES if memory else ():
+        worst = max(abs(m[s][k] or 0) for m in memory for k in ("states error",
+                                                                "step buffers error", "memory error"))
+        rows.append([f"{s}: largest |error| against the accounting (states, step buffers, "
+                     f"peak; every rank)", worst, f"<= {zero.GOALS['memory error']}"])
+        rows.append([f"{s}: bytes left behind (most of any rank)",
+                     max(m[s]["left behind"] for m in memory), "0"])
+    for opt, ratio in results[0].get("speed", {}).get("ZeRO-3 / FSDP2", {}).items():
+        rows.append([f"ZeRO-3 / FSDP2 step time, AdamW {opt}", ratio,
+                     f"<= {zero.GOALS['ZeRO-3 / FSDP2']}"])
+    return Verdict(misses, {"results": results, "world_size": world, "sections": sections,
+                            "table": _table(["figure", "measured", "goal"], rows)})
+
+
+def zero_two(ctx: Context) -> Verdict:
+    return _zero(ctx, 2, "kernel,memory,speed")
+
+
+def zero_one(ctx: Context) -> Verdict:
+    return _zero(ctx, 1, "kernel,memory")
+
+
+def tp(ctx: Context) -> Verdict:
+    from distlab.bench import tp as tp_bench
+
+    out = ctx.scratch / "tp"
+    proc = ctx.python("-m", "distlab.bench.tp", "--world-size", "2", "--out", out)
+    data = _json(out / "tp_bench.json", proc)
+    misses = tp_bench.goal_misses(data["links"], data["meta"]["backend"])
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    rows = []
+    for link, r in data["links"].items():
+        if "error" in r:
+            rows.append([link, r["error"], "", "", ""])
+            continue
+        ms = [1e3 * r.get(v, {}).get("step_s", float("nan")) for v in tp_bench.VARIANTS]
+        rows.append([link, *ms[:2], ms[0] / ms[1], *ms[2:]])
+    return Verdict(misses, {**data, "table": _table(
+        ["link", "distlab TP (ms/step)", "torch TP (ms/step)", "distlab / torch TP",
+         "torch DDP (ms/step)", "distlab DP (ms/step)"], rows)})
+
+
+def pp(ctx: Context) -> Verdict:
+    from distlab.pp import TITLES
+
+    misses = []
+    test = ctx.root / "tests" / "test_pp.py"
+    if test.exists():
+        proc = ctx.python("-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "-m",
+                          "multigpu", test, limit=240)
+        if proc.returncode != 0:
+            misses.append(f"the multigpu tests of tests/test_pp.py (2 NCCL stages against one "
+                          f"process): {proc.describe()}: {proc.tail(3)}")
+    else:
+        misses.append(f"no {test}: run the acceptance suite from a checkout of the kit")
+    out = ctx.scratch / "pp"
+    proc = ctx.python("-m", "distlab.bench.pp", "--stages", "2", "--out", out)
+    rows = _json(out / "pp_bench.json", proc)["rows"]
+    proc.check()
+    misses += [f"{TITLES[r['schedule']]}, m = {r['m']}: idle {r['idle']:.1%} against the formula's "
+               f"{r['formula']:.1%}" for r in rows
+               if r["m"] <= 2 and abs(r["idle"] - r["formula"]) > BUBBLE_TOLERANCE]
+    return Verdict(misses, {"rows": [{k: v for k, v in r.items() if k != "timeline"} for r in rows],
+                            "table": _table(
+        ["schedule", "m", "ms/step", "idle", "formula", "peak live per stage"],
+        [[TITLES[r["schedule"]], r["m"], r["step_ms"], r["idle"], r["formula"],
+          str(r["peak_live"])] for r in rows])})
+
+
+def overlap(ctx: Context) -> Verdict:
+    out = ctx.scratch / "overlap"
+    proc = ctx.python("-m", "distlab.bench.overlap", "--world-size", "2", "--rounds", "7",
+                      "--iters", "5", "--out", out)
+    results = _json(out / "overlap_bench.json", proc)["results"]
+    proc.check()
+    misses, rows = [], []
+    for link, per_rank in results.items():
+        for shape, r in per_rank[0]["shapes"].items():
+            s = r["seconds"]
+            ratio = s["bucketed"] / s["torch DDP"]
+            rows.append([link, shape, per_rank[0]["busbw"] / 1e9, 1e3 * s["naive"],
+                         1e3 * s["bucketed"], 1e3 * s["torch DDP"], ratio])
+            if ratio > OVERLAP_GOAL:
+                misses.append(f"{link}, {shape} tokens per GPU: bucketed / DDP {ratio:.3f}, "
+                              f"above {OVERLAP_GOAL}")
+    return Verdict(misses, {"results": results, "table": _table(
+        ["link", "tokens per GPU", "busbw (GB/s)", "naive (ms)", "bucketed (ms)",
+         "torch DDP (ms)", "bucketed / DDP"], rows)})
+
+
+def _needs(module: str, why: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise CheckError(f"{module} is not installed: {why} (pip install -e '.[dev]'; on a machine "
+                         f"without internet, the wheels of ../shared/tools/device-prep.sh)")
+
+
+def nbval_gpu(ctx: Context) -> Verdict:
+    import xml.etree.ElementTree as ET
+
+    _needs("nbval", "it replays the notebooks")
+    _needs("ipykernel", "nbval runs the notebooks in a kernel")
+    notebooks = sorted((ctx.root / "solutions").glob("*.ipynb"))
+    if not notebooks:
+        raise CheckError(f"no notebooks in {ctx.root / 'solutions'}")
+    misses, rows = [], []
+    for nb in notebooks:
+        xml = ctx.scratch / f"nbval_{nb.stem}.xml"
+        proc = ctx.python("-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--nbval",
+                          "--nbval-current-env", f"--junitxml={xml}", nb,
+                          log=ctx.scratch / f"nbval_{nb.stem}.txt")
+        counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+        if xml.exists():
+            suite = ET.parse(xml).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+            counts = {k: int(suite.get(k, 0)) for k in counts}
+        if proc.returncode != 0:
+            misses.append(f"{nb.name}: {proc.describe()}: {proc.tail(2)}")
+        rows.append([nb.name, counts["tests"] - counts["failures"] - counts["errors"]
+                     - counts["skipped"], counts["failures"] + counts["errors"], counts["skipped"],
+                     proc.seconds])
+    return Verdict(misses, {"notebooks": rows, "table": _table(
+        ["notebook", "cells passed", "failed", "skipped", "seconds"], rows)})
+
+
+def _tier_counts(ctx: Context, tests_dir: Path, marker: str) -> dict[str, int]:
+    """Exercise name -> its tests marked ``marker`` (collected, not run)."""
+    from distlab.grading.plugin import exercise_of
+
+    proc = ctx.python("-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                      marker, tests_dir, limit=120)
+    if proc.returncode not in (0, 5):  # 5: none collected
+        proc.check()
+    counts: dict[str, int] = {}
+    for line in proc.output.splitlines():
+        if "::" in line:
+            name = exercise_of(line.split("::")[0])
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def grader_tiers(ctx: Context) -> Verdict:
+    from distlab.grading.runner import TESTS
+
+    _needs("nbformat", "the grader reads the notebooks")
+    notebooks = sorted((ctx.root / "solutions").glob("*.ipynb"))
+    if not notebooks:
+        raise CheckError(f"no notebooks in {ctx.root / 'solutions'}")
+    multi, single = _tier_counts(ctx, TESTS, "multigpu"), _tier_counts(ctx, TESTS, "gpu")
+    report = ctx.scratch / "grades.json"
+    proc = ctx.python("-m", "distlab.grading", *notebooks, "--json", report)
+    grades = _json(report, proc)
+    proc.check()
+    misses, rows = [], []
+    for nb, exercises in grades.items():
+        if "error" in exercises:
+            misses.append(f"{Path(nb).name}: {exercises['error']}")
+            continue
+        for name, g in exercises.items():
+            allowed = multi.get(name, 0) * (ctx.gpus < 2) + single.get(name, 0) * (ctx.gpus < 1)
+            if g["points"] < g["max"] or g["verdict"] != "pass":
+                misses.append(f"{Path(nb).name}, {name}: {g['points']}/{g['max']} ({g['verdict']}: "
+                              f"{g['message']})")
+            if g["blocked"] > allowed:
+                misses.append(f"{Path(nb).name}, {name}: {g['blocked']} test(s) blocked with "
+                              f"{ctx.gpus} GPU(s) present ({allowed} need more GPUs than that)")
+            rows.append([Path(nb).name, name, f"{g['points']}/{g['max']}", g["verdict"],
+                         g["blocked"], multi.get(name, 0) + single.get(name, 0)])
+    return Verdict(misses, {"grades": grades, "table": _table(
+        ["notebook", "exercise", "points", "verdict", "blocked", "gpu/multigpu tests"], rows)})
+
+
+def _register_all() -> None:
+    from distlab.bench import tp as tp_bench
+    from distlab.bench import zero as zero_bench
+
+    g = zero_bench.GOALS
+    zero_goal = (f"sharded AdamW kernel within {g['kernel / fused AdamW']}x the fused AdamW; "
+                 f"model states, step buffers and peak within {g['memory error']:.0%} of "
+                 f"distlab.zero.memory's accounting, nothing left behind")
+    for check in (
+        Check("ring", 2, 300, f"reference ring all-reduce busbw >= {RING_GOAL}x NCCL's all_reduce "
+              f"at every size from 64 MiB to 1 GiB, 2 NCCL ranks, in CUDA graphs (--graph)", ring),
+        Check("bench-vs-nccl-tests", 2, 540, f"python -m distlab.bench.collectives --api nccl "
+              f"within {NCCL_TESTS_GOAL}x nccl-tests' time per op at every size (8 B - 1 GiB, six "
+              f"ops, 2 GPUs; nccl-tests built from source against torch's NCCL)",
+              bench_vs_nccl_tests),
+        Check("zero", 2, 420, f"{zero_goal}; ZeRO-3 step time <= {g['ZeRO-3 / FSDP2']}x FSDP2's "
+              f"(2 NCCL ranks, the 98M GPT)", zero_two),
+        Check("zero-1gpu", 1, 240, f"{zero_goal} (one NCCL rank: the kernel and memory sections "
+              f"of distlab.bench.zero, which need no second GPU)", zero_one),
+        Check("tp", 2, 420, f"distlab TP step time <= {tp_bench.GOAL}x torch's DTensor TP on "
+              f"every link (NVLink, host memory, sockets), every variant runs", tp),
+        Check("pp", 2, 420, f"2 NCCL stages train like one process (tests/test_pp.py, multigpu); "
+              f"distlab.bench.pp's idle fraction within {BUBBLE_TOLERANCE * 100:.0f} points of "
+              f"(p-1)/(m+p-1) at m <= 2, GPipe and 1F1B (torch.distributed.pipelining is compared "
+              f"in lab 07's notebook, see nbval-gpu)", pp),
+        Check("overlap", 2, 560, f"bucketed DataParallel step time <= {OVERLAP_GOAL}x torch DDP's "
+              f"on every link and batch shape of distlab.bench.overlap (7 rounds of 5 steps)",
+              overlap),
+        Check("nbval-gpu", 1, 540, "every solution notebook replays its outputs (pytest --nbval) "
+              "with the GPUs present", nbval_gpu),
+        Check("grader-tiers", 1, 540, "python -m distlab.grading solutions/*.ipynb gives full "
+              "marks, and no gpu/multigpu test is blocked unless it needs more GPUs than present",
+              grader_tiers),
+    ):
+        register(check)
+
+
+_register_all()

@@ -1,0 +1,89 @@
+"""Results as markdown: one small table per ``<check>.json`` with its verdict, goal,
+date, hardware and commit, and a line naming the checks that have no result; and the
+README's block between the markers rewritten with it, so that no GPU figure in the
+README is typed by hand or outlives the results it came from."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BEGIN, END = "<!-- acceptance:begin -->", "<!-- acceptance:end -->"
+
+
+def _cell(value) -> str:
+    if isinstance(value, bool) or value is None:
+        return "-" if value is None else str(value).lower()
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_result(result: dict) -> str:
+    env = result.get("environment", {})
+    commit = str(env.get("git_commit") or "unknown")
+    versions = ", ".join(f"{name} {env[key]}" for name, key in (
+        ("torch", "torch"), ("CUDA", "cuda_runtime"), ("NCCL", "nccl"), ("driver", "cuda_driver"))
+        if env.get(key))
+    lines = [f"#### `{result['check']}`: {result['status']}",
+             "",
+             f"Goal: {result['goal']}. Measured {env.get('date', 'at an unknown date')} on "
+             f"{env.get('hardware', 'unknown hardware')}; {versions}; commit "
+             f"`{commit[:12]}`; {result.get('seconds', 0):.0f} s.",
+             ""]
+    table = result.get("figures", {}).get("table")
+    if table and table.get("rows"):
+        lines.append("| " + " | ".join(_cell(c) for c in table["columns"]) + " |")
+        lines.append("|" + " --- |" * len(table["columns"]))
+        lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in table["rows"]]
+        lines.append("")
+    for miss in result.get("misses", []):
+        lines.append(f"- missed: {_cell(miss.splitlines()[0] if miss else miss)}")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def load(results: Path) -> list[dict]:
+    """The results in ``results``, in the registry's order, then any others by name."""
+    from distlab.acceptance.registry import REGISTRY
+
+    found = {}
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "check" in data and "status" in data:
+            found[data["check"]] = data
+    order = [n for n in REGISTRY if n in found] + sorted(set(found) - set(REGISTRY))
+    return [found[n] for n in order]
+
+
+def render(results: Path) -> str:
+    """The markdown for every result in ``results``, then the checks without one."""
+    from distlab.acceptance.registry import REGISTRY
+
+    done = load(results)
+    parts = [render_result(r) for r in done]
+    names = {r["check"] for r in done}
+    missing = [f"`{c.name}` (needs {c.gpus} GPU{'s' * (c.gpus > 1)})" for c in REGISTRY.values()
+               if c.name not in names]
+    if missing:
+        parts.append("No result yet for " + ", ".join(missing) + ".\n")
+    header = ("Written by `python -m distlab.acceptance render` from the result files of "
+              "`python -m distlab.acceptance` (docs/results/); do not edit by hand.\n")
+    return "\n".join([header, *parts])
+
+
+def replace_block(text: str, block: str) -> str:
+    """``text`` with what lies between :data:`BEGIN` and :data:`END` replaced by
+    ``block``; ValueError where the markers are missing or out of order."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {BEGIN} ... {END} pair")
+    return text[:start + len(BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
+
+
+def block_of(text: str) -> str | None:
+    """What lies between the markers (None without them)."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return None
+    return text[start + len(BEGIN):end]
