@@ -99,6 +99,7 @@ def test_a_result_holds_the_goal_the_figures_and_the_environment(tmp_path, fake,
         assert field in env, field
     assert env["torch"] and env["hardware"] and env["date"].endswith("+00:00")
     assert env["git_commit"] == "unknown" or len(env["git_commit"]) == 40
+    assert env["git_changes"] is None or isinstance(env["git_changes"], list)
     assert "no GPU" in env["hardware"] or env["gpu_names"]
 
 
@@ -133,7 +134,7 @@ def _result(name, status, rows, date):
             "misses": [] if status == "pass" else ["missed by 0.1"], "seconds": 12.3,
             "figures": {"table": {"columns": ["size", "ratio"], "rows": rows}},
             "environment": {"date": date, "hardware": "1 x GPU (80 GiB)", "torch": "2.11",
-                            "nccl": "2.28.9", "git_commit": "a" * 40}}
+                            "nccl": "2.28.9", "git_commit": "a" * 40, "git_changes": []}}
 
 
 def test_render_is_deterministic_and_rewrites_only_the_block(tmp_path, capsys):

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 FIELDS = ("torch", "cuda_runtime", "nccl", "cuda_driver", "gpus", "gpu_names",
-          "compute_capability", "hardware", "python", "git_commit", "date")
+          "compute_capability", "hardware", "python", "git_commit", "git_changes", "date")
 
 
 def _nvidia_smi_driver() -> str | None:
@@ -60,17 +60,32 @@ def probe() -> dict:
             "python": platform.python_version()}
 
 
-def git_commit(root: Path) -> str:
-    """``git rev-parse HEAD`` in ``root``; else $DISTLAB_GIT_COMMIT (a copy of a
-    checkout without its .git, told which commit it is); else "unknown"."""
+def _git(root: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=20)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
+        out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                             timeout=20)
     except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("DISTLAB_GIT_COMMIT", "").strip() or "unknown"
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_commit(root: Path) -> str:
+    """$DISTLAB_GIT_COMMIT where set (a copy of a checkout, told which commit it is: its
+    own .git, if any, may be older); else ``git rev-parse HEAD`` in ``root``; else
+    "unknown"."""
+    told = os.environ.get("DISTLAB_GIT_COMMIT", "").strip()
+    return told or (_git(root, "rev-parse", "HEAD") or "").strip() or "unknown"
+
+
+def git_changes(root: Path) -> list[str] | None:
+    """The tracked files that differ from the commit (what ran was the commit plus
+    these): $DISTLAB_GIT_CHANGES (comma-separated) where DISTLAB_GIT_COMMIT is set,
+    else ``git status``; None where unknown."""
+    if os.environ.get("DISTLAB_GIT_COMMIT", "").strip():
+        told = os.environ.get("DISTLAB_GIT_CHANGES")
+        return None if told is None else sorted(filter(None, told.split(",")))
+    out = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return None if out is None else sorted(line[3:] for line in out.splitlines() if line[3:])
 
 
 def now() -> str:
@@ -90,7 +105,7 @@ def describe(root: Path, timeout: float = 120) -> dict:
         out.update(json.loads(done.stdout.strip().splitlines()[-1]))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
         out["probe_error"] = f"{type(exc).__name__}: {exc}"
-    out["git_commit"] = git_commit(root)
+    out["git_commit"], out["git_changes"] = git_commit(root), git_changes(root)
     out["date"] = now()
     return out
 

@@ -22,7 +22,11 @@ def _cell(value) -> str:
 
 def render_result(result: dict) -> str:
     env = result.get("environment", {})
-    commit = str(env.get("git_commit") or "unknown")
+    commit = f"`{str(env.get('git_commit') or 'unknown')[:12]}`"
+    changes = env.get("git_changes")
+    commit += (" (changes not known)" if changes is None else
+               f" plus uncommitted changes to {len(changes)} file{'s' * (len(changes) != 1)}"
+               if changes else "")
     versions = ", ".join(f"{name} {env[key]}" for name, key in (
         ("torch", "torch"), ("CUDA", "cuda_runtime"), ("NCCL", "nccl"), ("driver", "cuda_driver"))
         if env.get(key))
@@ -30,7 +34,7 @@ def render_result(result: dict) -> str:
              "",
              f"Goal: {result['goal']}. Measured {env.get('date', 'at an unknown date')} on "
              f"{env.get('hardware', 'unknown hardware')}; {versions}; commit "
-             f"`{commit[:12]}`; {result.get('seconds', 0):.0f} s.",
+             f"{commit}; {result.get('seconds', 0):.0f} s.",
              ""]
     table = result.get("figures", {}).get("table")
     if table and table.get("rows"):
