@@ -1,0 +1,335 @@
+"""distlab.checkpoint: DCP checkpoints saved at one layout load at another, equal to what was
+saved, optimizer state included; a rank that dies mid-save leaves the previous checkpoint
+loadable; clear errors.
+
+The launches are grouped by world size (each size costs one start of ranks): 2 ranks save
+(ZeRO-1, tensor parallel at tp=2 and tp=1, a 2-stage pipeline), then crash in a second save;
+3 ranks load (ZeRO with uneven shards, tp=3 whose vocabulary split is not torch.chunk's);
+1 rank loads each into a plain GPT and AdamW through DCP's own state-dict helpers."""
+import os
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from distlab import checkpoint, launch, tp
+from distlab.data import NGramLanguage
+from distlab.dp import shard_loss_weight
+from distlab.model import GPT, config
+from distlab.pp import Stage
+from distlab.zero import ShardedOptimizer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
+
+VOCAB, BATCH, SEQ = 13, 6, 8          # 13 tokens: 7+6 on 2 ranks (torch.chunk's split too),
+CFG = config("test", vocab_size=VOCAB, n_head=6, d_model=24)  # 5+4+4 on 3 (not chunk's)
+LANG = NGramLanguage(VOCAB, 3, seed=0)
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def gpt(seed):
+    torch.manual_seed(seed)
+    return GPT(CFG).double()
+
+
+def zero_step(model, opt, step):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = LANG.batch(step, BATCH, SEQ, rank, world)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    (loss * shard_loss_weight(len(x), BATCH, world)).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def tp_step(model, opt):
+    x, y = LANG.batch(0, BATCH, SEQ)
+    tp.vocab_parallel_cross_entropy(model(x).flatten(0, 1), y.flatten(), VOCAB).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def weights(model):
+    """The state dict, tied tensors under each name."""
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def tp_model(seed, group=None):
+    return tp.tensor_parallel(gpt(seed), group, vocab_parallel=True)
+
+
+# ----------------------------------------------------------------------- 2 ranks: save
+
+
+def save_all(root):
+    rank = dist.get_rank()
+    out = {}
+    # ZeRO-1 over 2 ranks, one step; then the step that follows, for the resumed run to match
+    model = gpt(0)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    zero_step(model, opt, 0)
+    out["zero_dir"] = checkpoint.save(f"{root}/zero", {"model": model, "optim": opt}, step=1)
+    out["zero_params"], out["zero_optim"] = params(model), opt.state_dict()
+    zero_step(model, opt, 1)
+    out["zero_next"] = params(model)
+    # tensor parallel, tp=2, vocabulary-parallel: DTensors (even or torch.chunk-uneven
+    # splits) and ShardedTensors (qkv's rows regrouped by head)
+    model = tp_model(0)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    tp_step(model, opt)
+    checkpoint.save(f"{root}/tp2", {"model": model, "optim": opt, "note": "tp2"}, step=1)
+    out["tp2_full"] = tp.full_state_dict(model)
+    # tp=1: a plain model on rank 0 alone (a group of one), saved through DCP's helpers
+    ones = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    if rank == 0:
+        model = gpt(2)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        x, y = LANG.batch(0, BATCH, SEQ)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        checkpoint.save(f"{root}/tp1", {"model": model, "optim": opt}, step=1, group=ones[0])
+        out["tp1_full"] = weights(model)
+    # two pipeline stages, each saving its own layers
+    stage = Stage(gpt(3), rank, 2)
+    checkpoint.save(f"{root}/pp", {"model": stage}, step=5)
+    out["pp_params"] = weights(stage.module)
+    return out
+
+
+def crash_mid_save(root):
+    """A second ZeRO save in which rank 1 dies once its files are written, before the
+    coordinator can write .metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    model = gpt(4)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    zero_step(model, opt, 0)
+    if dist.get_rank() == 1:
+        write = dcp.FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            result = write(self, plan, planner)
+            result.wait()
+            os._exit(3)
+
+        dcp.FileSystemWriter.write_data = write_then_die
+    checkpoint.save(f"{root}/zero", {"model": model, "optim": opt}, step=2)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def saved(root):
+    return launch.run(save_all, 2, root, backend="gloo")
+
+
+def test_save_commits_through_the_pointer(root, saved):
+    assert saved[0]["zero_dir"] == saved[1]["zero_dir"] == os.path.join(root, "zero", "step-1")
+    assert checkpoint.latest(f"{root}/zero") == os.path.join(root, "zero", "step-1")
+    files = os.listdir(os.path.join(root, "zero", "step-1"))
+    assert ".metadata" in files and sum(f.endswith(".distcp") for f in files) >= 2  # per rank
+    assert sorted(os.listdir(f"{root}/pp")) == ["latest", "step-5"]
+    # each rank wrote its own shards, at global offsets in the single-process model
+    chunks = {k: [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+              for k, md in metadata(f"{root}/tp2").items() if hasattr(md, "chunks")}
+    assert chunks["model.tok_emb.weight"] == [((0, 0), (7, 24)), ((7, 0), (6, 24))]
+    assert chunks["model.blocks.0.mlp.down.weight"] == [((0, 0), (24, 48)), ((0, 48), (24, 48))]
+    assert sorted(chunks["model.blocks.0.attn.qkv.weight"]) == [  # q, k, v rows of each rank
+        ((r, 0), (12, 24)) for r in (0, 12, 24, 36, 48, 60)]
+    assert chunks["optim.state.blocks.0.mlp.up.weight.exp_avg"] == [((0, 0), (48, 24)),
+                                                                   ((48, 0), (48, 24))]
+    assert len(chunks["model.ln_f.weight"]) == 1     # replicated: written once
+    # ZeRO: the moments at their parameters' shapes, the parameter the two flat shards
+    # split as rectangles of each rank's range (a partial row, whole rows, a partial row)
+    moments = {k: md for k, md in metadata(f"{root}/zero").items() if k.endswith(".exp_avg")}
+    assert moments["optim.state.blocks.1.mlp.up.weight.exp_avg"].size == (96, 24)
+    for md in moments.values():
+        assert sum(torch.Size(c.sizes).numel() for c in md.chunks) == md.size.numel()
+    assert sum(len(md.chunks) > 1 for md in moments.values()) == 1
+
+
+def metadata(root):
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemReader(checkpoint.latest(root)).read_metadata().state_dict_metadata
+
+
+def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(root, saved):
+    with pytest.raises(launch.RankCrashed):
+        launch.run(crash_mid_save, 2, root, backend="gloo", timeout=60)
+    entries = os.listdir(f"{root}/zero")
+    abandoned = [e for e in entries if ".tmp-" in e]
+    assert len(abandoned) == 1 and abandoned[0].startswith("step-2.tmp-"), entries
+    assert not os.path.exists(os.path.join(root, "zero", abandoned[0], ".metadata"))
+    assert checkpoint.latest(f"{root}/zero") == os.path.join(root, "zero", "step-1")
+    # test_three_ranks loads it and finds what step 1 saved
+
+
+# ----------------------------------------------------------------------- 3 ranks: load
+
+
+def load_three(root):
+    out = {}
+    model = gpt(1)   # other weights than those saved: the load must replace them all
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    out["zero_step"] = checkpoint.load(f"{root}/zero", {"model": model, "optim": opt})
+    out["zero_params"], out["zero_optim"] = params(model), opt.state_dict()
+    zero_step(model, opt, 1)
+    out["zero_next"] = params(model)
+    state = {"model": tp_model(1), "note": None}
+    state["optim"] = torch.optim.AdamW(state["model"].parameters(), **ADAMW)
+    checkpoint.load(f"{root}/tp2", state)
+    out["tp2_full"], out["note"] = tp.full_state_dict(state["model"]), state["note"]
+    model = tp_model(1)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    checkpoint.load(f"{root}/tp1", {"model": model, "optim": opt})
+    out["tp1_full"] = {k: v.clone() for k, v in tp.full_state_dict(model).items()}  # (views)
+    # the optimizer state of tp=1 at tp=3: one more step from it equals the plain model's
+    tp_step(model, opt)
+    out["tp1_next"] = tp.full_state_dict(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def three(root, saved):
+    return launch.run(load_three, 3, root, backend="gloo")
+
+
+def equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def equal_optim(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k in a["state"][i]:
+            assert torch.equal(a["state"][i][k], b["state"][i][k]), (i, k)
+
+
+def test_zero_2_ranks_to_3_uneven_shards(saved, three):
+    assert all(r["zero_step"] == 1 for r in three)
+    for r in three:
+        equal(r["zero_params"], saved[0]["zero_params"])
+        equal_optim(r["zero_optim"], saved[0]["zero_optim"])
+        for k, v in r["zero_next"].items():  # the masters were refreshed: training resumes
+            torch.testing.assert_close(v, saved[0]["zero_next"][k], rtol=1e-12, atol=1e-14)
+
+
+def test_tensor_parallel_2_and_1_to_3(saved, three):
+    for r in three:
+        equal(r["tp2_full"], saved[0]["tp2_full"])
+        assert r["note"] == "tp2"
+        equal(r["tp1_full"], saved[0]["tp1_full"])
+    torch.manual_seed(2)
+    model = gpt(2)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for step in range(2):
+        x, y = LANG.batch(0, BATCH, SEQ)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    for k, v in three[0]["tp1_next"].items():
+        torch.testing.assert_close(v, dict(model.state_dict())[k], rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------------ 1 rank: load
+
+
+def load_one(root):
+    out = {}
+    model = gpt(1)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    checkpoint.load(f"{root}/zero", {"model": model, "optim": opt})
+    out["zero_params"], out["zero_optim"] = params(model), opt.state_dict()
+    model = gpt(1)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    checkpoint.load(f"{root}/tp2", {"model": model, "optim": opt})
+    out["tp2_params"], out["tp2_optim"] = dict(model.state_dict()), opt.state_dict()
+    model = gpt(1)
+    out["pp_step"] = checkpoint.load(f"{root}/pp", {"model": model})
+    out["pp_params"] = weights(model)
+    errors = {}
+    for case, path, state in [
+            ("missing", f"{root}/nowhere", {"model": gpt(1)}),
+            ("empty", root, {"model": gpt(1)}),
+            ("shape", f"{root}/pp", {"model": GPT(config("test", vocab_size=VOCAB + 1,
+                                                         n_head=6, d_model=24)).double()})]:
+        try:
+            checkpoint.load(path, state)
+        except Exception as exc:
+            errors[case] = (type(exc).__name__, str(exc))
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def one(root, saved, three):
+    return launch.run(load_one, 1, root, backend="gloo")[0]
+
+
+def test_zero_to_one_rank_through_dcp_helpers(saved, one):
+    equal(one["zero_params"], saved[0]["zero_params"])
+    equal_optim(one["zero_optim"], saved[0]["zero_optim"])
+
+
+def test_tensor_parallel_to_a_plain_model(saved, one):
+    full = saved[0]["tp2_full"]
+    assert one["tp2_params"].keys() == full.keys()
+    for k in full:
+        assert torch.equal(one["tp2_params"][k], full[k]), k
+    model = gpt(0)           # the moments: those of one plain AdamW step on the same batch
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    x, y = LANG.batch(0, BATCH, SEQ)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    opt.step()
+    ref = opt.state_dict()
+    for i, s in ref["state"].items():
+        for k, v in s.items():
+            torch.testing.assert_close(one["tp2_optim"]["state"][i][k], v, rtol=1e-9,
+                                       atol=1e-12)
+
+
+def test_pipeline_stages_to_one_model(saved, one):
+    assert one["pp_step"] == 5
+    merged = {**saved[0]["pp_params"], **saved[1]["pp_params"]}
+    assert merged.keys() == one["pp_params"].keys()
+    equal(one["pp_params"], merged)
+
+
+def test_clear_errors(root, one):
+    kind, message = one["errors"]["missing"]
+    assert kind == "FileNotFoundError" and "nowhere" in message
+    kind, message = one["errors"]["empty"]
+    assert kind == "FileNotFoundError" and "latest" in message
+    kind, message = one["errors"]["shape"]
+    assert kind == "ValueError" and "model.tok_emb.weight" in message
+    assert "(13, 24)" in message and "(14, 24)" in message
+
+
+def test_rects_cover_a_flat_range_exactly():
+    from distlab.checkpoint import _flat_range
+
+    for shape in [(7, 5), (3, 4, 5), (13,)]:
+        n = torch.Size(shape).numel()
+        full = torch.arange(n).view(shape)
+        for lo, hi in [(0, n), (3, min(17, n)), (5, 10), (1, 2), (n - 1, n), (4, 4)]:
+            layout, seen = _flat_range(shape, lo, hi), 0
+            for offsets, sizes, view in layout.chunks:
+                piece = view(torch.arange(lo, hi))
+                assert piece.is_contiguous()
+                assert torch.equal(full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))],
+                                   piece)
+                seen += piece.numel()
+            assert seen == hi - lo
