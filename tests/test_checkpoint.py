@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
 from distlab import checkpoint, launch, tp
 from distlab.data import NGramLanguage
 from distlab.dp import shard_loss_weight
@@ -94,10 +95,13 @@ def save_all(root):
         opt.step()
         checkpoint.save(f"{root}/tp1", {"model": model, "optim": opt}, step=1, group=ones[0])
         out["tp1_full"] = weights(model)
-    # two pipeline stages, each saving its own layers
+    # two pipeline stages, each saving its own layers; and loading the whole model's
     stage = Stage(gpt(3), rank, 2)
     checkpoint.save(f"{root}/pp", {"model": stage}, step=5)
     out["pp_params"] = weights(stage.module)
+    stage = Stage(gpt(3), rank, 2)
+    checkpoint.load(f"{root}/tp1", {"model": stage})
+    out["pp_from_tp1"] = weights(stage.module)
     return out
 
 
@@ -162,15 +166,23 @@ def metadata(root):
     return dcp.FileSystemReader(checkpoint.latest(root)).read_metadata().state_dict_metadata
 
 
-def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(root, saved):
-    with pytest.raises(launch.RankCrashed):
+@pytest.fixture(scope="module")
+def crashed(root, saved):
+    try:
         launch.run(crash_mid_save, 2, root, backend="gloo", timeout=60)
+    except launch.LaunchError as exc:
+        return exc
+    return None
+
+
+def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(root, crashed):
+    assert isinstance(crashed, launch.RankCrashed), crashed
     entries = os.listdir(f"{root}/zero")
     abandoned = [e for e in entries if ".tmp-" in e]
     assert len(abandoned) == 1 and abandoned[0].startswith("step-2.tmp-"), entries
     assert not os.path.exists(os.path.join(root, "zero", abandoned[0], ".metadata"))
     assert checkpoint.latest(f"{root}/zero") == os.path.join(root, "zero", "step-1")
-    # test_three_ranks loads it and finds what step 1 saved
+    # the 3-rank launch loads it after the crash and finds what step 1 saved
 
 
 # ----------------------------------------------------------------------- 3 ranks: load
@@ -199,7 +211,7 @@ def load_three(root):
 
 
 @pytest.fixture(scope="module")
-def three(root, saved):
+def three(root, saved, crashed):
     return launch.run(load_three, 3, root, backend="gloo")
 
 
@@ -260,10 +272,19 @@ def load_one(root):
     model = gpt(1)
     out["pp_step"] = checkpoint.load(f"{root}/pp", {"model": model})
     out["pp_params"] = weights(model)
+    # a DCP checkpoint that save() did not write: read as it is, no step
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(gpt(5))}, checkpoint_id=f"{root}/raw")
+    model = gpt(1)
+    out["raw_step"] = checkpoint.load(f"{root}/raw", {"model": model})
+    out["raw_params"] = weights(model)
     errors = {}
     for case, path, state in [
             ("missing", f"{root}/nowhere", {"model": gpt(1)}),
             ("empty", root, {"model": gpt(1)}),
+            ("entry", f"{root}/pp", {"model": gpt(1), "epoch": None}),
             ("shape", f"{root}/pp", {"model": GPT(config("test", vocab_size=VOCAB + 1,
                                                          n_head=6, d_model=24)).double()})]:
         try:
@@ -301,6 +322,14 @@ def test_tensor_parallel_to_a_plain_model(saved, one):
                                        atol=1e-12)
 
 
+def test_one_model_to_pipeline_stages(saved):
+    full = saved[0]["tp1_full"]
+    for r in saved:
+        assert r["pp_from_tp1"] and r["pp_from_tp1"].keys() <= full.keys()
+        equal(r["pp_from_tp1"], {k: full[k] for k in r["pp_from_tp1"]})
+    assert saved[0]["pp_from_tp1"].keys() | saved[1]["pp_from_tp1"].keys() == full.keys()
+
+
 def test_pipeline_stages_to_one_model(saved, one):
     assert one["pp_step"] == 5
     merged = {**saved[0]["pp_params"], **saved[1]["pp_params"]}
@@ -308,11 +337,18 @@ def test_pipeline_stages_to_one_model(saved, one):
     equal(one["pp_params"], merged)
 
 
+def test_a_dcp_checkpoint_of_others(one):
+    assert one["raw_step"] is None
+    equal(one["raw_params"], weights(gpt(5)))
+
+
 def test_clear_errors(root, one):
     kind, message = one["errors"]["missing"]
     assert kind == "FileNotFoundError" and "nowhere" in message
     kind, message = one["errors"]["empty"]
     assert kind == "FileNotFoundError" and "latest" in message
+    kind, message = one["errors"]["entry"]
+    assert kind == "ValueError" and "lacks 1 entry this state asks for: epoch" in message
     kind, message = one["errors"]["shape"]
     assert kind == "ValueError" and "model.tok_emb.weight" in message
     assert "(13, 24)" in message and "(14, 24)" in message
@@ -333,3 +369,38 @@ def test_rects_cover_a_flat_range_exactly():
                                    piece)
                 seen += piece.numel()
             assert seen == hi - lo
+
+
+def test_commit_moves_the_pointer_last(tmp_path, monkeypatch):
+    """Group rank 0's part of a save, without ranks: a directory without .metadata is never
+    committed; the pointer moves only after the rename; a step saved twice gets a new name;
+    ``keep`` and abandoned directories."""
+    from distlab.checkpoint import _commit
+
+    def written(step):
+        tmp = tmp_path / f"step-{step}.tmp-{step:04x}"
+        tmp.mkdir()
+        (tmp / ".metadata").write_bytes(b"")
+        return str(tmp)
+
+    assert _commit(str(tmp_path), written(1), 1, None) == str(tmp_path / "step-1")
+    half = tmp_path / "step-2.tmp-00ff"
+    half.mkdir()                                      # a save that died before .metadata
+    with pytest.raises(RuntimeError, match="no .metadata"):
+        _commit(str(tmp_path), str(half), 2, None)
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step-1")
+    real = os.replace
+
+    def pointer_fails(src, dst):
+        if os.path.basename(dst) == checkpoint.POINTER:
+            raise OSError("disk full")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", pointer_fails)
+    with pytest.raises(OSError):
+        _commit(str(tmp_path), written(3), 3, None)
+    monkeypatch.setattr(os, "replace", real)
+    assert checkpoint.latest(tmp_path) == str(tmp_path / "step-1")   # step-3 renamed, not named
+    assert _commit(str(tmp_path), written(1), 1, 2) == str(tmp_path / "step-1.2")
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "latest", "step-1.2", "step-3"]                # keep=2; abandoned .tmp- removed

@@ -119,10 +119,11 @@ def save(path: str | os.PathLike, state: dict, *, step: int, keep: int | None = 
     return _agree(group, lambda: _commit(root, tmp, step, keep))
 
 
-def load(path: str | os.PathLike, state: dict, *, group=None) -> int:
+def load(path: str | os.PathLike, state: dict, *, group=None) -> int | None:
     """Load the checkpoint ``path`` names (a root written by :func:`save`, read through its
     ``latest`` pointer, or one DCP checkpoint directory) into ``state``, at whatever
-    layout ``state`` has now; return its step. A collective over ``group``.
+    layout ``state`` has now; return its step (None for a DCP checkpoint that
+    :func:`save` did not write). A collective over ``group``.
 
     Raises FileNotFoundError when there is no checkpoint there, and ValueError naming the
     key when the checkpoint lacks an entry or holds it at another shape."""
@@ -133,7 +134,8 @@ def load(path: str | os.PathLike, state: dict, *, group=None) -> int:
     saved = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     try:
         sd = _build(state, saved)
-        sd[_META] = {"step": -1}
+        if f"{_META}.step" in saved:              # absent from a DCP checkpoint of others
+            sd[_META] = {"step": -1}
         problem = _mismatch(sd, saved, directory)
     except Exception as exc:  # told to the other ranks, which would wait in a collective
         sd, problem = None, exc
@@ -148,7 +150,7 @@ def load(path: str | os.PathLike, state: dict, *, group=None) -> int:
     with _quiet():
         dcp.load(sd, storage_reader=dcp.FileSystemReader(directory), process_group=group)
     _apply(state, sd, placeholders)
-    return int(sd[_META]["step"])
+    return int(sd[_META]["step"]) if _META in sd else None
 
 
 def latest(path: str | os.PathLike) -> str | None:
@@ -404,12 +406,16 @@ def _names(module: nn.Module) -> dict[int, str]:
 
 
 def _is_tp(module: nn.Module) -> bool:
-    from distlab.tp.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
+    """Whether the module holds :mod:`distlab.tp` layers (laid out here, not by DCP)."""
+    from distlab.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from distlab.tp.parallelize import ParallelSelfAttention
 
+    for m in module.modules():
+        if isinstance(m, ParallelSelfAttention) and not isinstance(m.qkv, ColumnParallelLinear):
+            raise NotImplementedError(
+                "a model from tp.parallelize_with_torch keeps qkv's rows regrouped by head in "
+                "its DTensors, which DCP would save in that order; checkpoint the model made "
+                "by tp.tensor_parallel instead")
     return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding))
                for m in module.modules())
 
@@ -427,11 +433,7 @@ def _module_dcp(module: nn.Module) -> dict:
 def _tp_layouts(module: nn.Module) -> dict[str, _Layout]:
     """Each tensor-parallel parameter's layout in the single-process model, by name."""
     from distlab.shards import shard_sizes
-    from distlab.tp.layers import (
-        ColumnParallelLinear,
-        RowParallelLinear,
-        VocabParallelEmbedding,
-    )
+    from distlab.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from distlab.tp.parallelize import ParallelSelfAttention
 
     out = {}
@@ -607,10 +609,8 @@ def _sharded_tensor(name: str, v: _Local, everyone: list, group):
     chunk of the group once (replicas hold the same chunks; DCP writes each once)."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (
-        ShardedTensorMetadata,
-        TensorProperties,
-    )
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                  TensorProperties)
 
     me, device = dist.get_rank(), str(v.tensor.device)
     mine = {(tuple(o), tuple(s)) for o, s, _ in v.layout.chunks}
@@ -638,14 +638,16 @@ def _sharded_tensor(name: str, v: _Local, everyone: list, group):
 
 
 def _mismatch(sd: dict, saved: dict, directory: str) -> str | None:
-    """What the checkpoint lacks, or holds at another shape, of the tensors ``sd`` asks for."""
+    """What the checkpoint lacks of what ``sd`` asks for, or holds at another shape."""
     missing, shapes = [], []
     for name, value in _walk(sd):
         if isinstance(value, _Local):
             shape = value.layout.shape
         elif isinstance(value, torch.Tensor):
             shape = tuple(value.shape)
-        else:
+        else:   # a value DCP pickles: under its name, or flattened below it (a dict, a list)
+            if name not in saved and not any(k.startswith(f"{name}.") for k in saved):
+                missing.append(name)
             continue
         md = saved.get(name)
         if md is None:
@@ -657,8 +659,9 @@ def _mismatch(sd: dict, saved: dict, directory: str) -> str | None:
         return (f"checkpoint {directory} does not fit this state: " + "; ".join(shapes[:8]) +
                 (f" (and {len(shapes) - 8} more)" if len(shapes) > 8 else ""))
     if missing:
-        return (f"checkpoint {directory} lacks {len(missing)} tensor(s) this state asks "
-                f"for: " + ", ".join(missing[:8]) +
+        entries = "entry" if len(missing) == 1 else "entries"
+        return (f"checkpoint {directory} lacks {len(missing)} {entries} this state asks for: "
+                + ", ".join(missing[:8]) +
                 (f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""))
     return None
 
@@ -679,9 +682,7 @@ def _apply(state: dict, sd: dict, placeholders: dict[str, _Local]) -> None:
         if isinstance(value, Optimizer):
             module = modules[_owner(value, modules, key)]
             if _native(value, module):
-                from torch.distributed.checkpoint.state_dict import (
-                    set_optimizer_state_dict,
-                )
+                from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
                 set_optimizer_state_dict(module, value, sd[key])
             else:
