@@ -596,11 +596,11 @@ def _dtensor(v: _Local):
     group, dim = v.layout.mesh
     group = group if group is not None else dist.group.WORLD
     key = (id(group), v.tensor.device.type)
-    if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(group, v.tensor.device.type)
+    if key not in _meshes or _meshes[key][0] is not group:  # (holding the group keeps its id)
+        _meshes[key] = (group, DeviceMesh.from_group(group, v.tensor.device.type))
     shape = torch.Size(v.layout.shape)
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(v.tensor, _meshes[key], [Shard(dim)], run_check=False,
+    return DTensor.from_local(v.tensor, _meshes[key][1], [Shard(dim)], run_check=False,
                               shape=shape, stride=stride)
 
 
