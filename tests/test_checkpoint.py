@@ -3,8 +3,8 @@ saved, optimizer state included; a rank that dies mid-save leaves the previous c
 loadable; clear errors.
 
 The launches are grouped by world size (each size costs one start of ranks): 2 ranks save
-(ZeRO-1, tensor parallel at tp=2 and tp=1, a 2-stage pipeline) and load the tp=1 model as
-2 stages, then crash in a second save; 3 ranks load (ZeRO with uneven shards, tp=3 whose
+(ZeRO-1, ZeRO-3, tensor parallel at tp=2 and tp=1, a 2-stage pipeline) and load the tp=1 model as
+2 stages, then crash in a second save; 3 ranks load (ZeRO-1 and -3 with uneven shards, tp=3 whose
 vocabulary split is not torch.chunk's) and save at tp=3; 1 rank loads each into a plain GPT
 and AdamW through DCP's own state-dict helpers, and checks the errors."""
 import os
@@ -21,7 +21,7 @@ from distlab.data import NGramLanguage
 from distlab.dp import shard_loss_weight
 from distlab.model import GPT, config
 from distlab.pp import Stage
-from distlab.zero import ShardedOptimizer
+from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
@@ -96,6 +96,12 @@ def save_all(root):
         opt.step()
         checkpoint.save(f"{root}/tp1", {"model": model, "optim": opt}, step=1, group=ones[0])
         out["tp1_full"] = weights(model)
+    # ZeRO-3 (FullyShardedDataParallel) over 2 ranks, one step
+    fsdp = FullyShardedDataParallel(gpt(6))
+    opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)
+    zero_step(fsdp, opt, 0)
+    checkpoint.save(f"{root}/fsdp", {"model": fsdp, "optim": opt}, step=1)
+    out["fsdp"] = fsdp_full(fsdp, opt)
     # two pipeline stages, each saving its own layers; and loading the whole model's
     stage = Stage(gpt(3), rank, 2)
     checkpoint.save(f"{root}/pp", {"model": stage}, step=5)
@@ -104,6 +110,26 @@ def save_all(root):
     checkpoint.load(f"{root}/tp1", {"model": stage})
     out["pp_from_tp1"] = weights(stage.module)
     return out
+
+
+def fsdp_full(fsdp, opt):
+    """The whole master weights and AdamW moments of a FullyShardedDataParallel, by name
+    (a collective)."""
+    moments = {}
+    for flat in fsdp.flat_params():
+        for key in ("exp_avg", "exp_avg_sq"):
+            shard = torch.cat([opt.state[piece][key] for piece in flat.pieces])
+            for name, t in flat.unflatten(flat.gather_flat(shard)).items():
+                moments.setdefault(name, {})[key] = t
+        for name, piece in zip(flat.names, flat.pieces):
+            moments[name]["step"] = opt.state[piece]["step"].clone()
+    return fsdp.gather_full_params(), moments
+
+
+def by_name(model, opt):
+    """A plain model's weights and its optimizer's state, by parameter name."""
+    names = [n for n, _ in model.named_parameters()]
+    return params(model), {names[i]: s for i, s in opt.state_dict()["state"].items()}
 
 
 def crash_mid_save(root):
@@ -197,6 +223,10 @@ def load_three(root):
     out["zero_params"], out["zero_optim"] = params(model), opt.state_dict()
     zero_step(model, opt, 1)
     out["zero_next"] = params(model)
+    fsdp = FullyShardedDataParallel(gpt(1))
+    opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)
+    checkpoint.load(f"{root}/fsdp", {"model": fsdp, "optim": opt})
+    out["fsdp"] = fsdp_full(fsdp, opt)
     state = {"model": tp_model(1), "note": None}
     state["optim"] = torch.optim.AdamW(state["model"].parameters(), **ADAMW)
     checkpoint.load(f"{root}/tp2", state)
@@ -311,6 +341,10 @@ def load_one(root):
     out["tp2_params"], out["tp2_optim"] = dict(model.state_dict()), opt.state_dict()
     model = gpt(1)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    checkpoint.load(f"{root}/fsdp", {"model": model, "optim": opt})
+    out["fsdp"] = by_name(model, opt)
+    model = gpt(1)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     out["tp3_step"] = checkpoint.load(f"{root}/tp3", {"model": model, "optim": opt})
     out["tp3_params"], out["tp3_optim"] = dict(model.state_dict()), opt.state_dict()
     model = gpt(1)
@@ -347,6 +381,23 @@ def one(root, saved, three):
 def test_zero_to_one_rank_through_dcp_helpers(saved, one):
     equal(one["zero_params"], saved[0]["zero_params"])
     equal_optim(one["zero_optim"], saved[0]["zero_optim"])
+
+
+def equal_moments(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].keys() == b[name].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k in a[name]:
+            assert torch.equal(a[name][k], b[name][k]), (name, k)
+
+
+def test_fsdp_2_ranks_to_3_and_to_a_plain_model(saved, three, one):
+    weights_, moments = saved[0]["fsdp"]
+    for r in three:
+        equal(r["fsdp"][0], weights_)
+        equal_moments(r["fsdp"][1], moments)
+    equal(one["fsdp"][0], weights_)
+    equal_moments(one["fsdp"][1], moments)
 
 
 def test_tensor_parallel_to_a_plain_model(saved, one):

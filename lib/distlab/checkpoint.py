@@ -11,7 +11,8 @@ and puts the other values back into ``state``.
 **What DCP does.** ``dcp.save`` runs a *planner* on every rank (a local plan: one write item
 per tensor chunk, each named by its fully qualified name and its *global offsets*), gathers
 the plans on the coordinator (group rank 0), which removes duplicates (a replicated tensor is
-written once) and builds the global plan; each rank then writes its items with
+written once), checks that each tensor's chunks tile it (no overlap, the whole volume) and
+builds the global plan; each rank then writes its items with
 ``FileSystemWriter`` (one ``__<rank>_*.distcp`` file or more per rank, fsynced), and the
 coordinator writes ``.metadata`` last: for each name its global shape, dtype and list of
 chunks (offsets, sizes) with where each lies in which file. ``dcp.load`` reads
@@ -38,6 +39,9 @@ the single-process model, under its key in ``state``: ``model.<param>``,
   buffer, i.e. a range of each flattened parameter. A range of a row-major tensor is a few
   rectangles (a partial row, whole rows, a partial row), each a contiguous piece of the
   state: a ``ShardedTensor`` with those local shards, at the parameter's full shape;
+* :class:`distlab.zero.FullyShardedDataParallel` (ZeRO-2/3): the same rectangles, for its
+  fp32 master pieces as the model's weights (under every name of a tied one) and for the
+  optimizer's state over them;
 * :class:`distlab.pp.Stage`: its module keeps the whole model's names, so each stage
   saves and requests its own subset of the keys.
 
@@ -47,9 +51,9 @@ that differ from ``torch.chunk``'s (13 rows on 3 ranks: 5, 4, 4 against 5, 5, 3)
 checkpoint (a load then fails on a size mismatch, or reads wrong rows); hence the
 ``ShardedTensor`` there, which torch marks as deprecated in favour of DTensor (its
 FutureWarnings are silenced here) but which DCP still reads and writes natively. Not covered:
-ZeRO over a tensor-parallel model (a 2-D layout), FullyShardedDataParallel, the fp32 master
-weights of a low-precision model under ZeRO (the model's own weights are saved; after a
-load the masters are refreshed from them).
+ZeRO over a tensor-parallel model (a 2-D layout), models from ``tp.parallelize_with_torch`` (refused: their DTensors hold qkv's rows
+in head order), and the fp32 master weights of a low-precision model under ZeRO (the
+model's own weights are saved; after a load the masters are refreshed from them).
 
 **Atomicity: where DCP's guarantees stop.** DCP fsyncs its files and writes ``.metadata``
 through a temporary file and a rename, so a directory without ``.metadata`` is never taken
@@ -380,9 +384,13 @@ def _build(state: dict, saved: dict | None) -> dict:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    """The model inside a wrapper whose one child is ``.module`` (pp.Stage, DataParallel)."""
+    """The model inside a wrapper whose one child is ``.module`` (pp.Stage, DataParallel),
+    but not inside FullyShardedDataParallel, whose pieces are what it holds."""
+    from distlab.zero import FullyShardedDataParallel
+
     while isinstance(getattr(module, "module", None), nn.Module) and \
-            [n for n, _ in module.named_children()] == ["module"]:
+            [n for n, _ in module.named_children()] == ["module"] and \
+            not isinstance(module, FullyShardedDataParallel):
         module = module.module
     return module
 
@@ -420,7 +428,28 @@ def _is_tp(module: nn.Module) -> bool:
                for m in module.modules())
 
 
+def _fsdp_pieces(fsdp) -> list:
+    """(every name of the parameter, its piece, layout) for each parameter of a
+    FullyShardedDataParallel: the piece is this rank's range of its flat buffer, in the
+    master dtype (a tied parameter lies in one unit, under each of its names)."""
+    where = {id(m): name for name, m in fsdp.module.named_modules(remove_duplicate=False)}
+    out = []
+    for unit in fsdp._units:
+        flat = unit.flat
+        for p, piece, (lo, hi), slots in zip(flat.params, flat.pieces, flat.ranges, unit.slots):
+            names = [f"{where[id(owner)]}.{attr}".lstrip(".") for owner, attr in slots]
+            out.append((names, piece, _flat_range(p.shape, lo, hi)))
+    return out
+
+
 def _module_dcp(module: nn.Module) -> dict:
+    from distlab.zero import FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        sd = {name: _Local(piece.detach(), layout)
+              for names, piece, layout in _fsdp_pieces(module) for name in names}
+        sd.update({n: b.detach() for n, b in module.module.named_buffers()})
+        return sd
     if not _is_tp(module):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -460,10 +489,14 @@ def _tp_layouts(module: nn.Module) -> dict[str, _Layout]:
 def _optim_entries(optim, module: nn.Module):
     """(the optimizer holding the tensors, [(name, key tensor, layout)], param groups as
     names) for the optimizers this module lays out itself."""
-    from distlab.zero import ShardedOptimizer
+    from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
 
     names = _names(module)
     groups = [[names[id(p)] for p in g["params"]] for g in optim.param_groups]
+    if isinstance(module, FullyShardedDataParallel):
+        layouts = {id(piece): layout for _, piece, layout in _fsdp_pieces(module)}
+        return optim, [(names[id(p)], p, layouts[id(p)])
+                       for g in optim.param_groups for p in g["params"]], groups
     if isinstance(optim, ShardedOptimizer):
         if _is_tp(module):
             raise NotImplementedError("checkpointing ZeRO over a tensor-parallel model (a 2-D "
@@ -479,9 +512,10 @@ def _optim_entries(optim, module: nn.Module):
 
 def _native(optim, module: nn.Module) -> bool:
     """Whether DCP's own helpers handle this optimizer (a plain one on a plain model)."""
-    from distlab.zero import ShardedOptimizer
+    from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
 
-    return not isinstance(optim, ShardedOptimizer) and not _is_tp(module)
+    return not isinstance(optim, ShardedOptimizer) and not _is_tp(module) and \
+        not isinstance(module, FullyShardedDataParallel)
 
 
 def _optim_dcp(optim, module: nn.Module, key: str, saved: dict | None) -> dict:
@@ -669,12 +703,15 @@ def _mismatch(sd: dict, saved: dict, directory: str) -> str | None:
 def _apply(state: dict, sd: dict, placeholders: dict[str, _Local]) -> None:
     """After ``dcp.load``: DCP's helpers set plain modules and optimizers, the optimizers
     laid out here get their loaded local tensors, other values go back into ``state``.
-    (Tensor-parallel modules were loaded in place.)"""
+    (Tensor-parallel and FSDP modules were loaded in place: FSDP all-gathers the loaded
+    master shards at its next forward.)"""
     from torch.optim import Optimizer
+
+    from distlab.zero import FullyShardedDataParallel
 
     modules = {k: _unwrap(v) for k, v in state.items() if isinstance(v, nn.Module)}
     for key, module in modules.items():
-        if not _is_tp(module):
+        if not _is_tp(module) and not isinstance(module, FullyShardedDataParallel):
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
             set_model_state_dict(module, sd[key])
