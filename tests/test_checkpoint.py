@@ -31,9 +31,18 @@ LANG = NGramLanguage(VOCAB, 3, seed=0)
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
 
-def gpt(seed):
+ZERO_CFG = config("test", vocab_size=VOCAB, seq_len=15)  # 7040 weights: 2347+2347+2346
+
+
+def gpt(seed, cfg=CFG):
     torch.manual_seed(seed)
-    return GPT(CFG).double()
+    return GPT(cfg).double()
+
+
+def zgpt(seed):
+    """The model of the ZeRO runs: a parameter count that does not split evenly in 3, nor
+    does any of its blocks (ZeRO-3's units)."""
+    return gpt(seed, ZERO_CFG)
 
 
 def zero_step(model, opt, step):
@@ -72,7 +81,7 @@ def save_all(root):
     rank = dist.get_rank()
     out = {}
     # ZeRO-1 over 2 ranks, one step; then the step that follows, for the resumed run to match
-    model = gpt(0)
+    model = zgpt(0)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
     zero_step(model, opt, 0)
     out["zero_dir"] = checkpoint.save(f"{root}/zero", {"model": model, "optim": opt}, step=1)
@@ -97,7 +106,7 @@ def save_all(root):
         checkpoint.save(f"{root}/tp1", {"model": model, "optim": opt}, step=1, group=ones[0])
         out["tp1_full"] = weights(model)
     # ZeRO-3 (FullyShardedDataParallel) over 2 ranks, one step
-    fsdp = FullyShardedDataParallel(gpt(6))
+    fsdp = FullyShardedDataParallel(zgpt(6))
     opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)
     zero_step(fsdp, opt, 0)
     checkpoint.save(f"{root}/fsdp", {"model": fsdp, "optim": opt}, step=1)
@@ -137,7 +146,7 @@ def crash_mid_save(root):
     coordinator can write .metadata."""
     import torch.distributed.checkpoint as dcp
 
-    model = gpt(4)
+    model = zgpt(4)
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
     zero_step(model, opt, 0)
     if dist.get_rank() == 1:
@@ -181,7 +190,7 @@ def test_save_commits_through_the_pointer(root, saved):
     # ZeRO: the moments at their parameters' shapes, the parameter the two flat shards
     # split as rectangles of each rank's range (a partial row, whole rows, a partial row)
     moments = {k: md for k, md in metadata(f"{root}/zero").items() if k.endswith(".exp_avg")}
-    assert moments["optim.state.blocks.1.mlp.up.weight.exp_avg"].size == (96, 24)
+    assert moments["optim.state.blocks.1.mlp.up.weight.exp_avg"].size == (64, 16)
     for md in moments.values():
         assert sum(torch.Size(c.sizes).numel() for c in md.chunks) == md.size.numel()
     assert sum(len(md.chunks) > 1 for md in moments.values()) == 1
@@ -217,13 +226,13 @@ def test_a_rank_dying_mid_save_leaves_the_previous_checkpoint(root, crashed):
 
 def load_three(root):
     out = {}
-    model = gpt(1)   # other weights than those saved: the load must replace them all
+    model = zgpt(1)  # other weights than those saved: the load must replace them all
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
     out["zero_step"] = checkpoint.load(f"{root}/zero", {"model": model, "optim": opt})
     out["zero_params"], out["zero_optim"] = params(model), opt.state_dict()
     zero_step(model, opt, 1)
     out["zero_next"] = params(model)
-    fsdp = FullyShardedDataParallel(gpt(1))
+    fsdp = FullyShardedDataParallel(zgpt(1))
     opt = torch.optim.AdamW(fsdp.parameters(), **ADAMW)
     checkpoint.load(f"{root}/fsdp", {"model": fsdp, "optim": opt})
     out["fsdp"] = fsdp_full(fsdp, opt)
@@ -301,12 +310,13 @@ def equal_optim(a, b):
 
 
 def test_zero_2_ranks_to_3_uneven_shards(saved, three):
+    assert sum(p.numel() for p in zgpt(0).parameters()) % 3
     assert all(r["zero_step"] == 1 for r in three)
     for r in three:
         equal(r["zero_params"], saved[0]["zero_params"])
         equal_optim(r["zero_optim"], saved[0]["zero_optim"])
         for k, v in r["zero_next"].items():  # the masters were refreshed: training resumes
-            torch.testing.assert_close(v, saved[0]["zero_next"][k], rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(v, saved[0]["zero_next"][k], rtol=1e-9, atol=1e-12)
 
 
 def test_dtensor_cannot_describe_tensor_split_pieces(three):
@@ -331,7 +341,7 @@ def test_tensor_parallel_2_and_1_to_3(saved, three):
 
 def load_one(root):
     out = {}
-    model = gpt(1)
+    model = zgpt(1)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     checkpoint.load(f"{root}/zero", {"model": model, "optim": opt})
     out["zero_params"], out["zero_optim"] = params(model), opt.state_dict()
@@ -339,7 +349,7 @@ def load_one(root):
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     checkpoint.load(f"{root}/tp2", {"model": model, "optim": opt})
     out["tp2_params"], out["tp2_optim"] = dict(model.state_dict()), opt.state_dict()
-    model = gpt(1)
+    model = zgpt(1)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     checkpoint.load(f"{root}/fsdp", {"model": model, "optim": opt})
     out["fsdp"] = by_name(model, opt)

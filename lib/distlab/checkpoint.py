@@ -51,9 +51,10 @@ that differ from ``torch.chunk``'s (13 rows on 3 ranks: 5, 4, 4 against 5, 5, 3)
 checkpoint (a load then fails on a size mismatch, or reads wrong rows); hence the
 ``ShardedTensor`` there, which torch marks as deprecated in favour of DTensor (its
 FutureWarnings are silenced here) but which DCP still reads and writes natively. Not covered:
-ZeRO over a tensor-parallel model (a 2-D layout), models from ``tp.parallelize_with_torch`` (refused: their DTensors hold qkv's rows
-in head order), and the fp32 master weights of a low-precision model under ZeRO (the
-model's own weights are saved; after a load the masters are refreshed from them).
+ZeRO over a tensor-parallel model (a 2-D layout); models from ``tp.parallelize_with_torch``
+(refused: their DTensors hold qkv's rows in head order); the fp32 master weights of a
+low-precision model under ShardedOptimizer (the model's own weights are saved; after a load
+the masters are refreshed from them).
 
 **Atomicity: where DCP's guarantees stop.** DCP fsyncs its files and writes ``.metadata``
 through a temporary file and a rename, so a directory without ``.metadata`` is never taken
