@@ -325,22 +325,42 @@ class Pool:
         return text or "starting"
 
     def _stacks(self, ranks) -> dict[int, str]:
-        """Each rank's Python stack, dumped by faulthandler on SIGUSR1."""
+        """Each rank's Python stack, dumped by faulthandler on SIGUSR1. The rank's folder
+        belongs to the rank's user (a student's code, when grading): its stack file is
+        opened without following links and without blocking, read only if it is a
+        regular file, and at most ``limit`` bytes of it."""
+        import stat
+
+        limit = 1 << 20
+
+        def size(path) -> int:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return 0
+            return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+        def read(path, offset) -> str:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return "(no stack: the rank's stack file is not a regular file)"
+                return os.pread(fd, limit, offset).decode(errors="replace")
+            finally:
+                os.close(fd)
+
         sizes = {}
         for r in ranks:
-            sizes[r.rank] = os.path.getsize(r.stack_path) if os.path.exists(r.stack_path) else 0
+            sizes[r.rank] = size(r.stack_path)
             r.signal(signal.SIGUSR1)
         stacks = {}
         deadline = time.monotonic() + 1.0
         for r in ranks:
-            while time.monotonic() < deadline and r.alive() and (
-                    not os.path.exists(r.stack_path) or os.path.getsize(r.stack_path) <= sizes[r.rank]):
+            while time.monotonic() < deadline and r.alive() and size(r.stack_path) <= sizes[r.rank]:
                 time.sleep(0.02)
             time.sleep(0.02)
             try:
-                with open(r.stack_path, errors="replace") as f:
-                    f.seek(sizes[r.rank])
-                    stacks[r.rank] = tidy_stack(f.read())
+                stacks[r.rank] = tidy_stack(read(r.stack_path, sizes[r.rank]))
             except OSError:
                 stacks[r.rank] = "(no stack: the process is gone)"
         return stacks
