@@ -83,6 +83,7 @@ class _Recorder:
         self.untouched, self.budget = untouched, budget
         self.spent: dict[str, float] = {}
         self.exercise: dict[str, str] = {}  # test id → exercise
+        self.current: str | None = None  # the exercise whose tests run now
 
     def _write(self, record: dict) -> None:
         if "test" in record:
@@ -101,6 +102,15 @@ class _Recorder:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
         name = self.exercise.get(item.nodeid, "")
+        if name != self.current:
+            from distlab import launch
+
+            # Fresh ranks for each exercise: ranks that ran the student's code for one
+            # exercise (with that exercise's library answers disarmed, and the others
+            # not) never serve another. The grader's watchdog times the exercise from here.
+            launch.shutdown(graceful=False)
+            self.current = name
+            self._write({"start": name})
         if self.spent.get(name, 0.0) > self.budget:
             self._write({"test": item.nodeid, "outcome": "timeout", "message":
                          f"the tests of this exercise did not finish within {self.budget:g} s "

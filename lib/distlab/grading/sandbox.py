@@ -1,7 +1,12 @@
 """Untrusted code in the autograder: where a student's code runs, as whom, and how it ends.
 
 A student's notebook can run anything when it is imported, so the grade must never
-depend on a process that ran it. The layers, from the grader down:
+depend on a process that ran it. What holds, and under which conditions ("root" means
+the grader runs as root and found a user to switch to, :func:`unprivileged_user`;
+"namespaces" means :func:`containment` is "pidns", i.e. ``unshare --pid --mount-proc``
+works, which as root on Linux it normally does):
+
+Everywhere (Linux; any user):
 
 1. **Grades come from processes that never run student code.** The grader and each
    exercise's pytest process never import the student's module: tests reach it through
@@ -10,22 +15,55 @@ depend on a process that ran it. The layers, from the grader down:
    pytest process on what the ranks return.
 2. **Results cross as plain data.** Ranks of a sandbox (``DISTLAB_SANDBOX=1``) answer
    with :mod:`distlab.runtime.plain`, never a pickle, so they cannot make the tests run code.
-3. **An unprivileged user.** Where the grader runs as root, ranks run as the user that
-   :func:`unprivileged_user` found (``nobody`` unless ``DISTLAB_SANDBOX_USER`` names
-   another): they cannot write the grader's files or signal its processes.
-4. **Nothing outlives grading.** Each exercise's pytest runs under :func:`run_contained`:
-   in a new PID namespace where the kernel allows it (as root), otherwise under a child
-   subreaper. When pytest ends, every process it left behind — daemons started with
-   ``start_new_session=True`` included — is killed before the grade is read.
-5. **The report travels through a pipe** that only pytest inherits, not a file; the
+3. **The report travels through a pipe** that only pytest inherits, not a file; the
    grading processes are made non-dumpable, so a student's process running as the same
    user cannot open their descriptors through /proc.
+4. **The maximum is the kit's.** A notebook is graded on exactly the exercises whose
+   kit test files declare the lab its file name names (:mod:`distlab.grading.labs`); a
+   lost cell scores 0 of its tests, another lab's cell is ignored
+   (see :mod:`distlab.grading.runner`).
+5. **The library's answers refuse.** Each exercise's tests run on ranks of their own
+   (the plugin discards the warm ranks between exercises); before such a rank imports the
+   student's module, every library object :data:`distlab.grading.labs.ANSWERS` names for
+   that exercise has its code replaced by a refusal ("this is the library's answer to the
+   exercise being graded"): calling, instantiating or subclassing it raises, through any
+   alias, and the original code is kept nowhere in that rank.
+6. **Time.** No exercise runs past its limit plus a grace (10-30 s), timed on the
+   grader's own clock: the grader stops the whole pytest run, whatever it is stuck on,
+   counts that exercise's unfinished tests as timed out, and reruns the exercises that
+   had not started. The launcher reads a rank's stack file without following links or
+   blocking, and at most 1 MiB of it.
+7. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in a
+   new PID namespace (namespaces), otherwise under a child subreaper (Linux), otherwise
+   (elsewhere) only its process group is killed. When pytest ends, every process it left
+   behind — daemons started with ``start_new_session=True`` included — is killed before
+   the grade is read.
+
+As root:
+
+8. **An unprivileged user.** Ranks run as ``nobody`` (or ``DISTLAB_SANDBOX_USER``), with
+   no supplementary groups and no new privileges: they cannot write the grader's files or
+   signal its processes. They keep CAP_DAC_READ_SEARCH (the Python installation may sit
+   in a root-only folder), so they can *read* any file on the machine, except:
+9. **Hidden sources** (root and namespaces): each graded rank, before it drops root,
+   imports every module :data:`~distlab.grading.labs.ANSWERS` names and, in a mount
+   namespace of its own, binds a stub over each one's source file and cached bytecode
+   (re-loading it raises "its source is hidden while grading") and an empty folder over
+   the kit's ``solutions/``, ``.git`` and ``build/``
+   (:func:`distlab.runtime.privileges.hide_sources`).
 
 What this does not guarantee: code running as the grader's own user (a student grading
-their own laptop) can edit the tests themselves; and what is observed *inside* a rank —
-which collectives ran (CommLog), what the status board says — is reported by a process
-that ran the student's code, so a deliberate forgery of those observations is possible.
-Answers (values, gradients, weights) are always checked outside it.
+their own laptop) can edit the tests themselves, and nothing is hidden from it; as root
+without namespaces nothing is hidden either. Other copies of the kit on the machine
+(another checkout, a wheel, a pip cache, other students' submissions) stay readable to
+the ranks. /tmp and /dev/shm are the machine's: files the ranks leave there stay, and
+ranks graded at the same time as the same user can meet there. There is no memory limit
+per exercise. The launcher opens a rank's status-board file plainly: a FIFO put there
+blocks it until the time limit stops the exercise (a timeout, not a hang). Only the
+library objects named in ANSWERS refuse; other library code stays usable. And what is
+observed *inside* a rank — which collectives ran (CommLog), what the status board says —
+is reported by a process that ran the student's code, so a deliberate forgery of those
+observations is possible. Answers (values, gradients, weights) are always checked outside it.
 """
 from __future__ import annotations
 
@@ -57,10 +95,12 @@ class Student:
     """The student's exercise module, seen from a process that must not import it.
 
     ``student.NAME`` is a :class:`StudentRef` for each top-level name the module defines
-    (read from its source, never executed here)."""
+    (read from its source, never executed here). ``exercise`` is the exercise being
+    graded: the ranks that import the module for it first disarm the library's answers
+    to it (:func:`distlab.grading.labs.disarm`)."""
 
-    def __init__(self, path):
-        self.path = str(path)
+    def __init__(self, path, exercise: str = ""):
+        self.path, self.exercise = str(path), exercise
         self.names = _defined_names(Path(path).read_text())
 
     def __getattr__(self, name: str) -> "StudentRef":
@@ -69,7 +109,7 @@ class Student:
         if name not in self.names:
             raise AttributeError(f"your notebook defines no {name!r}: its exercise cell must "
                                  f"define a function or class of exactly that name")
-        return StudentRef(self.path, name)
+        return StudentRef(self.path, name, self.exercise)
 
     def check_import(self, timeout: float = IMPORT_TIMEOUT) -> None:
         """Import the module once in a sandboxed rank; :class:`StudentImportError` says
@@ -77,7 +117,7 @@ class Student:
         from distlab import launch
 
         try:
-            launch.run(_import, 1, self.path, backend="gloo", timeout=timeout)
+            launch.run(_import, 1, self.path, self.exercise, backend="gloo", timeout=timeout)
         except launch.LaunchTimeout:
             raise StudentImportError(
                 f"your notebook's exercise cells did not finish importing within "
@@ -99,11 +139,11 @@ class StudentRef:
     An exception the student's code raises comes back as the builtin exception of the
     same class where there is one (ValueError, TypeError, NotImplementedError, ...)."""
 
-    def __init__(self, path: str, name: str):
-        self.path, self.name = path, name
+    def __init__(self, path: str, name: str, exercise: str = ""):
+        self.path, self.name, self.exercise = path, name, exercise
 
     def __reduce__(self):
-        return _resolve, (self.path, self.name)
+        return _resolve, (self.path, self.name, self.exercise)
 
     def __repr__(self) -> str:
         return f"<the student's {self.name}>"
@@ -140,11 +180,25 @@ def _as_builtin(exc) -> BaseException:
     return exc
 
 
+_graded: list[str] = []  # the exercise this rank imported the student's module for
+
+
 @functools.lru_cache(maxsize=None)
-def _module(path: str):
-    """The student's module, imported once per rank (inside the rank only)."""
+def _module(path: str, exercise: str = ""):
+    """The student's module, imported once per rank (inside the rank only), after the
+    library's answers to ``exercise`` were disarmed. A rank serves one exercise: the
+    grader's plugin starts fresh ranks for each (what the student's code did in a rank,
+    such as keeping a library function aside, must not reach another exercise)."""
     import importlib.util
 
+    from distlab.grading import labs
+
+    if _graded and _graded[0] != exercise:
+        raise RuntimeError(f"this rank imported the student's module for {_graded[0]!r} and "
+                           f"cannot grade {exercise!r} (the grader starts fresh ranks for "
+                           f"each exercise)")
+    _graded.append(exercise)
+    labs.disarm(exercise)
     name = f"student_{Path(path).stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -153,12 +207,12 @@ def _module(path: str):
     return module
 
 
-def _resolve(path: str, name: str):
-    return getattr(_module(path), name)
+def _resolve(path: str, name: str, exercise: str = ""):
+    return getattr(_module(path, exercise), name)
 
 
-def _import(path: str) -> None:
-    _module(path)
+def _import(path: str, exercise: str = "") -> None:
+    _module(path, exercise)
 
 
 def _call(fn, args, kwargs):
@@ -191,10 +245,10 @@ _UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
 def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
-                  pass_fds=()) -> tuple[int | None, str]:
+                  pass_fds=(), stop: threading.Event | None = None) -> tuple[int | None, str]:
     """Run ``cmd`` with everything it starts contained; return (exit status, or None if
-    it ran past ``timeout`` and was stopped; its combined output). When it ends, no
-    process it started is left."""
+    it ran past ``timeout``, or ``stop`` was set, and it was stopped; its combined
+    output). When it ends, no process it started is left."""
     mode = containment()
     line = [sys.executable, "-m", "distlab.grading.sandbox", "init", "--", *cmd]
     if mode == "pidns":
@@ -207,11 +261,16 @@ def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
     reader = threading.Thread(target=lambda: chunks.extend(iter(
         lambda: proc.stdout.read(1 << 16), b"")), daemon=True)
     reader.start()
+    deadline = time.monotonic() + timeout
     try:
-        code = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
         code = None
-        _stop(proc, mode)
+        while code is None and time.monotonic() < deadline and not (stop and stop.is_set()):
+            try:
+                code = proc.wait(max(0.0, min(0.2, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pass
+        if code is None:
+            _stop(proc, mode)
     finally:
         _kill_session(proc)
     reader.join(5)
@@ -306,11 +365,39 @@ def _sweep(deadline: float) -> None:
         time.sleep(0.02)
 
 
+PRIVATE = ("/tmp", "/dev/shm")  # a fresh tmpfs each, in the run's own mount namespace
+
+
+def _private_tmp(keep: list[str]) -> None:
+    """In the mount namespace of a contained run (its PID 1, as root): a fresh, empty
+    /tmp and /dev/shm that the run's processes share and that vanish with it, so that
+    nothing the student's code leaves there outlives grading, nor meets another run.
+    The folders of ``keep`` under /tmp (the grader's own, the tests) are bound back in."""
+    from distlab.runtime.privileges import MS_BIND, MS_NODEV, MS_NOSUID, MS_PRIVATE, \
+        MS_REC, mount
+
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    held = []
+    for path in dict.fromkeys(os.path.realpath(k) for k in keep):
+        if path.startswith("/tmp/") and os.path.isdir(path):
+            held.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)))
+    for place in PRIVATE:
+        if os.path.isdir(place):
+            mount("tmpfs", place, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    for path, fd in held:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+
+
 def _init(cmd: list[str]) -> int:
     """The supervisor: start ``cmd``, wait for it (reaping whatever else ends), then
     kill every process left below. SIGTERM stops ``cmd`` early."""
     if os.getpid() != 1:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
+    keep = os.environ.pop("DISTLAB_PRIVATE_TMP", None)
+    if keep is not None and os.getpid() == 1:
+        _private_tmp([k for k in keep.split(os.pathsep) if k])
     fds = [int(x) for x in os.environ.pop("DISTLAB_PASS_FDS", "").split(",") if x]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
