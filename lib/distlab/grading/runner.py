@@ -2,24 +2,43 @@
 
     python -m distlab.grading labs/03_ring_allreduce.ipynb [--json report.json]
 
-Each exercise of the notebook is tested by ``exercises/test_<name>.py`` (beside this
-module, so installed with the package) in a ``pytest`` process with a time limit, against a module made of the notebook's
-exercise cells. Every test is worth one point. Tiers: cpu (gloo, always), gpu,
-multigpu; tests of a tier this machine cannot run are "blocked", not failed.
+The lab is named by the notebook's file name, which must start with a lab's name
+(``03_ring_allreduce.ipynb``, ``03_ring_allreduce-alice.ipynb``); the lab's exercises,
+and so the maximum, come from the kit (the exercise tests that declare that lab, see
+:mod:`distlab.grading.labs`), never from the notebook.
+An exercise whose cell is missing (or lost its nbgrader metadata) scores 0 of its full
+count ("missing"); an exercise cell of another lab is listed as "ignored" and earns
+nothing; a file name that starts with no lab's name is not graded (an error, exit 1).
 
-Isolation: exercises never share a process; within one exercise's tests the ranks stay
-warm between launches (the launcher throws them away after any failure), which keeps
-a whole lab's grading within seconds per exercise. What the grader guarantees against
-students' code, and what it does not, is in :mod:`distlab.grading.sandbox`: the student's code
-runs only in sandboxed ranks (as an unprivileged user where the grader is root), the
-tests check plain data in a process that never imports it, the outcomes travel through
-a pipe, and every process of an exercise's run is killed before its grade is read.
+Each exercise of the lab is tested by ``exercises/test_<name>.py`` (beside this module,
+so installed with the package) in a contained ``pytest`` process, against a module made
+of the notebook's exercise cells. Every test is worth one point. Tiers: cpu (gloo,
+always), gpu, multigpu; tests of a tier this machine cannot run are "blocked", not failed.
+
+Time: each exercise's tests get ``--timeout`` seconds. The plugin skips the rest of an
+exercise's tests once they have used its time; and the grader times each exercise on its
+own clock from the moment its tests start: past the limit plus a grace of 10-30 s it
+stops the whole run, whatever it is stuck on (student code cannot extend that), reports
+the exercise's unfinished tests as "timeout", and reruns the exercises not yet started.
+
+Isolation: each exercise's tests run on ranks of their own (the warm ranks are thrown
+away between exercises, and after any failure), with the library's answers to that
+exercise refusing. What the grader guarantees against students' code, under which
+conditions, and what it does not, is in :mod:`distlab.grading.sandbox`.
+
+Output: every string the student's code can influence (messages, names) is printed with
+control characters escaped (:func:`shown`); the JSON report carries them exactly. The
+JSON is written whole or not at all, under a fresh name created with
+O_CREAT|O_EXCL|O_NOFOLLOW in the target's folder and renamed over the target; a folder
+other users can write is refused unless sticky and owned by the grader or root
+(:func:`write_report`).
 
 The pytest process loads :mod:`distlab.grading.plugin`, which streams each test's
 outcome and its first failing check in plain words back through a pipe.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +58,8 @@ class Result:
     exercise: str
     points: int
     max_points: int
-    verdict: str   # pass, partial, fail, deadlock, not attempted, error, timeout, blocked
+    verdict: str   # pass, partial, fail, deadlock, not attempted, missing, error, timeout,
+    #                blocked, ignored (an exercise cell of another lab: worth nothing here)
     message: str   # the first failing check, in plain words
     blocked: int = 0  # tests this machine could not run
     seconds: float = 0.0
@@ -79,23 +99,64 @@ def _pytest(report_fd: int, tests_dir: Path, *args: str) -> list[str]:
             f"--distlab-report-fd={report_fd}", f"--rootdir={tests_dir}", *args]
 
 
-def _run_reported(args: list[str], env: dict, timeout: float,
-                  tests_dir: Path) -> tuple[int | None, str, list[dict]]:
-    """Run pytest with ``args`` under :func:`distlab.grading.sandbox.run_contained`; (exit status or
-    None on timeout, output, the records it streamed)."""
+WATCHDOG_GRACE = 30.0  # seconds past an exercise's time limit before the grader stops it
+
+
+def _grace(timeout: float) -> float:
+    return min(WATCHDOG_GRACE, max(10.0, timeout))
+
+
+def _run_reported(args: list[str], env: dict, timeout: float, tests_dir: Path,
+                  exercise_timeout: float) -> tuple[int | None, str, list[dict], str | None]:
+    """Run pytest with ``args`` under :func:`distlab.grading.sandbox.run_contained`; (exit
+    status or None when stopped, output, the records it streamed, the exercise the
+    watchdog stopped or None).
+
+    The watchdog times each exercise on the grader's own clock, from the record that says
+    its tests start: past ``exercise_timeout`` plus a grace, the whole run is stopped,
+    whatever it was doing (a launcher stuck on a file the student's code replaced, a
+    plugin that did not get to check its budget)."""
     from distlab.grading import sandbox
 
     read, write = os.pipe()
     stream: list[bytes] = []
-    reader = threading.Thread(target=lambda: stream.extend(iter(
-        lambda: os.read(read, 1 << 16), b"")), daemon=True)
-    reader.start()
+    current: list = [None, 0.0]  # exercise, when it started (the grader's clock)
+    stop, done = threading.Event(), threading.Event()
+    overran: list[str] = []
+
+    def reader():
+        pending = b""
+        for chunk in iter(lambda: os.read(read, 1 << 16), b""):
+            stream.append(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.startswith(b'{"start":'):
+                    try:
+                        current[:] = [json.loads(line)["start"], time.monotonic()]
+                    except (ValueError, KeyError, TypeError):
+                        pass
+
+    def watchdog():
+        limit = exercise_timeout + _grace(exercise_timeout)
+        while not done.wait(0.25):
+            name, since = current
+            if name is not None and time.monotonic() - since > limit:
+                overran.append(name)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=reader, daemon=True),
+               threading.Thread(target=watchdog, daemon=True)]
+    for t in threads:
+        t.start()
     try:
         code, out = sandbox.run_contained(_pytest(write, tests_dir, *args), env=env, cwd=tests_dir,
-                                          timeout=timeout, pass_fds=[write])
+                                          timeout=timeout, pass_fds=[write], stop=stop)
     finally:
+        done.set()
         os.close(write)
-        reader.join(10)
+        threads[0].join(10)
         os.close(read)
     records = []
     for line in b"".join(stream).decode(errors="replace").splitlines():
@@ -105,55 +166,102 @@ def _run_reported(args: list[str], env: dict, timeout: float,
             continue
         if isinstance(record, dict):
             records.append(record)
-    return code, out, records
+    return code, out, records, (overran[0] if overran else None)
+
+
+MISSING = ("the exercise cell for {name} is missing or lost its nbgrader metadata: restore "
+           "it from git (its tests count, none ran)")
 
 
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
           only: list[str] | None = None) -> list[Result]:
-    """Grade every exercise of the notebook at ``path``: one contained pytest run over the
-    exercises' test files, each exercise's tests limited to ``timeout`` seconds."""
+    """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
+    the file name, its exercises by the tests of ``tests_dir`` that declare it,
+    :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest run over the exercises' test files, each exercise's
+    tests limited to ``timeout`` seconds. An exercise whose cell is missing scores 0 of
+    its tests; an exercise cell of another lab is reported as ignored; a notebook whose
+    name is no lab's gets one "error" row and nothing else."""
     import nbformat
 
-    from distlab.grading import notebook
+    from distlab.grading import labs, notebook
     from distlab.runtime import privileges
 
+    every = labs.exercises(tests_dir)
+    lab = labs.lab_of(path, every)
+    if lab is None:
+        return [Result(Path(path).name, 0, 0, "error", labs.unknown_lab_message(path, every))]
     nb = nbformat.read(path, as_version=4)
-    cells = {name: source for name, source in notebook.exercises(nb).items()
-             if not only or name in only}
-    files = {name: tests_dir / f"test_{name}.py" for name in cells}
+    found = notebook.exercises(nb)
+    wanted = [name for name in every[lab] if not only or name in only]
+    results_first = [Result(name, 0, 0, "error", f"{name} is not an exercise of {lab} (its "
+                                                 f"exercises: {', '.join(every[lab])})")
+                     for name in (only or []) if name not in every[lab]]
+    foreign = [name for name in found if name not in every[lab]]
+    files = {name: tests_dir / f"test_{name}.py" for name in wanted}
     missing = {name for name, f in files.items() if not f.exists()}
-    untouched = {name for name, source in cells.items() if notebook.is_untouched(source)}
+    lost = {name for name in wanted if name not in found}  # the cell or its metadata is gone
+    untouched = {name for name in wanted if name in found and notebook.is_untouched(found[name])}
+    counted_only = (untouched | lost) - missing  # collected for the count, never run
     user, _ = privileges.unprivileged_user()
+    runs: dict[str, tuple] = {}  # exercise → (exit status, output, ended) of its run
+    records: list[dict] = []
+    overran: set[str] = set()
+    seconds = 0.0
+    to_run = [name for name in wanted if name not in missing | counted_only]
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
         module.write_text(notebook.module_source(nb))
         module.chmod(0o644)
-        runs = Path(tmp) / "tmp"
-        runs.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
+        run_dir = Path(tmp) / "tmp"
+        run_dir.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
-                   DISTLAB_SANDBOX_USER=user, TMPDIR=str(runs))
-        attempted = len(set(cells) - untouched - missing)
-        start = time.monotonic()
-        code, out, records = (None, "", []) if len(missing) == len(cells) else _run_reported(
-            [f"--distlab-untouched={','.join(sorted(untouched))}",
-             f"--distlab-exercise-timeout={timeout}",
-             *(str(f) for name, f in files.items() if name not in missing)],
-            env, timeout * attempted + 120, tests_dir)
-        seconds = time.monotonic() - start
-    collected = next((r["collected"] for r in records if "collected" in r), [])
+                   DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir))
+        env.update(_hiding(Path(tmp), user))
+        env.update(_private_tmp(Path(tmp), tests_dir, user))
+        first = True
+        while first or to_run:
+            files_now = [files[n] for n in wanted if n in to_run or (first and n in counted_only)]
+            if not files_now:
+                break
+            start = time.monotonic()
+            code, out, got, stopped = _run_reported(
+                [f"--distlab-untouched={','.join(sorted(counted_only))}",
+                 f"--distlab-exercise-timeout={timeout}", *map(str, files_now)],
+                env, timeout * max(len(to_run), 1) + 120, tests_dir, timeout)
+            seconds += time.monotonic() - start
+            records += got
+            ended = any(r.get("end") for r in got)
+            started = [r["start"] for r in got if "start" in r]
+            for name in to_run:  # an exercise that never started in a stopped run runs again
+                if name in started or not stopped:
+                    runs.setdefault(name, (code, out, ended))
+            first = False
+            if not stopped:
+                break
+            overran.add(stopped)  # the exercises that never started get a run of their own
+            to_run = [name for name in to_run if name not in started]
+    collected: dict[str, dict] = {}
+    for r in records:
+        for c in r.get("collected", []) if isinstance(r.get("collected"), list) else []:
+            if isinstance(c, dict) and isinstance(c.get("test"), str):
+                collected.setdefault(c["test"], c)
     outcomes = {r["test"]: r for r in records if "outcome" in r}
-    ended = any(r.get("end") for r in records)
-    broke = ("the tests did not finish within their time limit" if code is None else
-             f"the test run ended before this test (exit status {code}): "
-             f"{' | '.join(out.strip().splitlines()[-2:])}")
-    results = []
-    for name in cells:
-        mine = [c for c in collected if c.get("exercise") == name]
+    attempted = len([n for n in wanted if n not in missing | counted_only])
+    results = results_first
+    for name in wanted:
+        mine = [c for c in collected.values() if c.get("exercise") == name]
         runnable = sum(not c["blocked"] for c in mine)
+        code, out, ended = runs.get(name, (None, "", False))
+        broke = ("the tests did not finish within their time limit" if code is None else
+                 f"the test run ended before this test (exit status {code}): "
+                 f"{' | '.join(out.strip().splitlines()[-2:])}")
         if name in missing:
             results.append(Result(name, 0, 0, "error", f"no tests for this exercise "
                                                         f"({files[name]} missing)"))
+        elif name in lost:
+            results.append(Result(name, 0, runnable, "missing", MISSING.format(name=name),
+                                  len(mine) - runnable))
         elif name in untouched:
             results.append(Result(name, 0, runnable, "not attempted",
                                   "the cell still raises NotImplementedError", len(mine) - runnable))
@@ -161,22 +269,73 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
             results.append(Result(name, 0, 0, "error", "its tests could not be collected: " +
                                   " | ".join(out.strip().splitlines()[-3:])))
         else:
+            late = (f"the tests of this exercise did not finish within {timeout:g} s; the "
+                    f"grader stopped them" if name in overran else None)
             tests = [outcomes.get(c["test"]) or (
                 {"test": c["test"], "outcome": "blocked", "message": c["blocked"]} if c["blocked"]
                 else {"test": c["test"], "outcome": "timeout" if code is None else "error",
-                      "message": broke if not ended else "the test reported no outcome"})
+                      "message": late or (broke if not ended else "the test reported no outcome")})
                      for c in mine]
             results.append(_summarise(name, tests, seconds / max(attempted, 1)))
+    for name in foreign:
+        owner = next((other for other, names in every.items() if name in names), None)
+        results.append(Result(name, 0, 0, "ignored", (
+            f"not an exercise of {lab}" + (f" (it belongs to {owner})" if owner else "") +
+            ": ignored, it earns nothing here")))
     return results
 
 
+def _hiding(tmp: Path, user: str) -> dict:
+    """The environment that makes graded ranks hide the library's answers' source files
+    (and the kit's solutions/ and git history) before they drop root: only where the
+    grader is root and can make namespaces (see :func:`distlab.runtime.privileges.hide_sources`)."""
+    from distlab.grading import labs, sandbox
+
+    if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
+        return {}
+    stub = tmp / "hidden.py"
+    stub.write_text(f"raise RuntimeError({labs.HIDDEN!r})\n")
+    stub.chmod(0o444)
+    empty = tmp / "hidden"
+    empty.mkdir(mode=0o555)
+    kit = Path(__file__).resolve().parents[3]
+    # the kit's solutions, its git history and a build's copy of the library hold the answers
+    paths = [str(p) for p in (kit / "solutions", kit / ".git", kit / "build") if p.is_dir()]
+    return {"DISTLAB_SANDBOX_HIDE": json.dumps({"modules": labs.hidden_modules(), "paths": paths,
+                                                "stub": str(stub), "empty": str(empty)})}
+
+
+def _private_tmp(tmp: Path, tests_dir: Path, user: str) -> dict:
+    """The environment that gives the contained run a /tmp and /dev/shm of its own (root
+    and namespaces; see :func:`distlab.grading.sandbox._private_tmp`), keeping the
+    folders the run needs: the grader's, the tests', Python's path."""
+    from distlab.grading import sandbox
+
+    if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
+        return {}
+    keep = [str(tmp), str(tests_dir), *os.environ.get("PYTHONPATH", "").split(os.pathsep),
+            *sys.path]
+    return {"DISTLAB_PRIVATE_TMP": os.pathsep.join(k for k in keep if k)}
+
+
+def shown(text: str) -> str:
+    """``text`` safe to print on a terminal: control and formatting characters (escape
+    sequences, carriage returns, bidirectional overrides) written as Python escapes."""
+    import unicodedata
+
+    return "".join(ch if ch == " " or unicodedata.category(ch) not in (
+        "Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs") else
+        ascii(ch)[1:-1] for ch in str(text))
+
+
 def table(results: list[Result], title: str = "") -> str:
+    """The report, every student-controlled string escaped (:func:`shown`)."""
     rows = [("exercise", "points", "verdict", "first failing check")]
     for r in results:
         pts = f"{r.points}/{r.max_points}" + (f" (+{r.blocked} blocked)" if r.blocked else "")
-        rows.append((r.exercise, pts, r.verdict, r.message))
+        rows.append((shown(r.exercise), pts, shown(r.verdict), shown(r.message)))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = [title] if title else []
+    lines = ["\n".join(shown(line) for line in title.split("\n"))] if title else []
     for i, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
         if i == 0:
@@ -184,6 +343,45 @@ def table(results: list[Result], title: str = "") -> str:
     total = sum(r.points for r in results), sum(r.max_points for r in results)
     lines.append(f"total: {total[0]}/{total[1]}")
     return "\n".join(lines)
+
+
+class UnsafeTarget(OSError):
+    """The report's folder is writable by others: a file written there could be swapped."""
+
+
+def write_report(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` whole or not at all, without following a link anyone
+    planted: a fresh name in the target's folder (created with O_CREAT|O_EXCL|O_NOFOLLOW,
+    as ``mkstemp`` does), renamed over ``target``, both through a descriptor of the folder
+    checked first. A folder writable by another user is refused (:class:`UnsafeTarget`)
+    unless it is sticky and owned by the grader's user or root (as /tmp)."""
+    import secrets
+    import stat
+
+    folder = os.path.dirname(os.path.abspath(target)) or "/"
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(dfd)
+        shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0)
+        if shared and not (st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
+            raise UnsafeTarget(f"refusing to write {target}: its folder {folder} is writable by "
+                               f"other users (mode {stat.filemode(st.st_mode)}, owner uid "
+                               f"{st.st_uid}); write the report into a folder of your own")
+        name = f".{os.path.basename(target)}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name, os.path.basename(target), src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)
 
 
 def _readable_notebook(path: Path) -> str:
@@ -204,6 +402,7 @@ def _readable_notebook(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from distlab.grading import labs
     from distlab.runtime import privileges
 
     parser = argparse.ArgumentParser(prog="python -m distlab.grading",
@@ -224,7 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.notebooks:
         problem = _readable_notebook(path)
         if problem:
-            print(f"\n{path}\nerror: {problem}", flush=True)
+            print(f"\n{shown(path)}\nerror: {shown(problem)}", flush=True)
+            report[str(path)] = {"error": problem}
+            unreadable += 1
+            continue
+        if labs.lab_of(path) is None:
+            problem = labs.unknown_lab_message(path)
+            print(f"\n{shown(path)}\nerror: {shown(problem)}", flush=True)
             report[str(path)] = {"error": problem}
             unreadable += 1
             continue
@@ -234,8 +439,10 @@ def main(argv: list[str] | None = None) -> int:
                                           "verdict": r.verdict, "message": r.message,
                                           "blocked": r.blocked} for r in results}
     if args.json:
-        tmp = args.json.with_name(args.json.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2))
-        os.replace(tmp, args.json)  # whole or not at all
-        print(f"\nwrote {args.json}")
+        try:
+            write_report(args.json, json.dumps(report, indent=2))  # whole or not at all
+        except OSError as exc:
+            print(f"\nerror: {shown(exc)}", file=sys.stderr)
+            return 2
+        print(f"\nwrote {shown(args.json)}")
     return 1 if unreadable else 0
