@@ -1,0 +1,375 @@
+"""The grader against a student who cheats: each defect a probe found, defeated.
+
+* the JSON report is never written through a link planted beside it (root follows none);
+* the maximum comes from the kit's exercises of each lab, not from the notebook;
+* the library's own answer to the exercise being graded refuses, however it is reached
+  (called, re-loaded from its file, subclassed), and its source cannot be read;
+* a stack file replaced by a FIFO cannot hang the launcher, and no exercise outlives
+  its time limit, whatever hangs;
+* control characters in what the student controls never reach the terminal raw;
+* files the student's code leaves in /tmp or /dev/shm vanish with the grading run.
+
+Every grading run happens in a PID namespace of its own (as root), with a guard in each
+Python process that refuses, and records, any signal to PID <= 1.
+"""
+import dataclasses
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from distlab.grading import labs, notebook, runner, sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only a root grader changes user")
+
+_GUARD = """
+import os
+
+_log = os.environ.get("DISTLAB_GUARD_LOG")
+
+
+def _guarded(name, real):
+    def call(pid, sig, *rest):
+        if pid <= 1:
+            with open(_log, "a") as f:
+                f.write(f"{name}({pid}, {sig}) from pid {os.getpid()}\\n")
+            raise PermissionError(f"guard: refused {name}({pid}, {sig})")
+        return real(pid, sig, *rest)
+    return call
+
+
+if _log:
+    os.kill = _guarded("kill", os.kill)
+    os.killpg = _guarded("killpg", os.killpg)
+"""
+
+_DRIVER = """
+import dataclasses, json, sys
+from pathlib import Path
+from distlab.grading import runner
+
+args = json.loads(sys.argv[1])
+results = runner.grade(Path(args["path"]), tests_dir=Path(args["tests"]), timeout=args["timeout"])
+print(json.dumps([dataclasses.asdict(r) for r in results]))
+"""
+
+
+def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 300,
+           limit: float = 400) -> tuple[dict, float]:
+    """runner.grade in a PID namespace (as root) under the signal guard: exercise → its
+    result as a dict, and the seconds it took."""
+    guard = tmp_path / "guard"
+    guard.mkdir(exist_ok=True)
+    (guard / "sitecustomize.py").write_text(_GUARD)
+    (tmp_path / "driver.py").write_text(_DRIVER)
+    log = tmp_path / "signals.log"
+    env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
+        [str(guard)] + [p for p in sys.path if p]))
+    cmd = [sys.executable, str(tmp_path / "driver.py"),
+           json.dumps({"path": str(path), "tests": str(tests), "timeout": timeout})]
+    if sandbox.containment() == "pidns":
+        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
+    start = time.monotonic()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+    seconds = time.monotonic() - start
+    assert not log.exists(), f"a signal to PID <= 1 was attempted:\n{log.read_text()}"
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["exercise"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}, seconds
+
+
+def _notebook(tmp_path, lab: str, sources: dict[str, str], name: str | None = None,
+              unmark: tuple = (), append: tuple = ()) -> Path:
+    """Solution notebook ``lab`` with the cells of ``sources`` replaced, the nbgrader
+    metadata of ``unmark`` removed, and the cells ``append`` ((lab, exercise) of other
+    labs' solutions) added at the end."""
+    nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    for cell in nb.cells:
+        name_ = notebook.grade_id(cell)
+        if name_ in sources:
+            cell.source = sources[name_]
+        if name_ in unmark:
+            del cell.metadata["nbgrader"]
+    for other, exercise in append:
+        nb.cells += [c for c in nbformat.read(ROOT / "solutions" / f"{other}.ipynb",
+                                              as_version=4).cells
+                     if notebook.grade_id(c) == exercise]
+    folder = tmp_path / "submission"
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o755)
+    path = folder / f"{name or lab}.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+def _tests(tmp_path, files: dict[str, str], conftest: bool = False) -> Path:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name, text in files.items():
+        (tests / f"test_{name}.py").write_text(text)
+    if conftest:
+        (tests / "conftest.py").write_text((runner.TESTS / "conftest.py").read_text())
+    return tests
+
+
+# ------------------------------------------------------------- 1. the JSON report
+
+
+def _main(*args: str) -> int:
+    """The grader's command line, in a process of its own (it makes itself non-dumpable)."""
+    return subprocess.run([sys.executable, "-m", "distlab.grading", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120).returncode
+
+
+def test_the_json_report_never_follows_a_link_planted_beside_it(tmp_path):
+    victim = tmp_path / "root-only"
+    victim.write_text("the grader's secret")
+    victim.chmod(0o600)
+    nb = tmp_path / "99_not_a_lab.ipynb"  # refused at once: nothing is graded
+    nbformat.write(nbformat.v4.new_notebook(), nb)
+    out = tmp_path / "out"
+    out.mkdir(mode=0o755)
+    report = out / "report.json"
+    (out / "report.json.tmp").symlink_to(victim)  # what the student's code planted
+    assert _main(str(nb), "--json", str(report)) == 1  # an unknown lab
+    assert victim.read_text() == "the grader's secret", "root wrote through the link"
+    assert not report.is_symlink() and "is not one of the labs" in json.loads(
+        report.read_text())[str(nb)]["error"]
+    assert stat.S_IMODE(report.stat().st_mode) == 0o644
+
+    shared = tmp_path / "shared"  # anyone may swap names in here
+    shared.mkdir()
+    shared.chmod(0o777)
+    assert _main(str(nb), "--json", str(shared / "report.json")) == 2
+    assert os.listdir(shared) == [], "nothing is written into a folder others can write"
+    if os.geteuid() == 0:
+        shared.chmod(0o1777)
+        os.chown(shared, 65534, 65534)  # sticky, but another user's: refused too
+        assert _main(str(nb), "--json", str(shared / "report.json")) == 2
+        os.chown(shared, 0, 0)  # sticky and the grader's own (as /tmp): written
+        assert _main(str(nb), "--json", str(shared / "report.json")) == 1
+        assert os.listdir(shared) == ["report.json"]
+
+
+# ------------------------------------------------- 2. the maximum comes from the kit
+
+
+def test_the_kits_list_of_exercises_agrees_with_solutions_and_tests(tmp_path, monkeypatch):
+    assert labs.problems(ROOT / "solutions") == []
+    tests = tmp_path / "tests"  # the kit's tests, but zero2_step's lost
+    tests.mkdir()
+    for test in runner.TESTS.glob("test_*.py"):
+        if test.name != "test_zero2_step.py":
+            (tests / test.name).write_text(test.read_text())
+    assert "05_zero" in labs.exercises(tests) and "zero2_step" not in labs.exercises(tests)["05_zero"]
+    assert any("solutions/ has the exercise zero2_step" in p
+               for p in labs.problems(ROOT / "solutions", tests))
+    monkeypatch.delitem(labs.ANSWERS, "shard_range")
+    assert any("shard_range (05_zero) has no entry" in p for p in labs.problems(ROOT / "solutions"))
+    every = labs.exercises()
+    assert labs.lab_of("x/05_zero.ipynb", every) == labs.lab_of("05_zero-alice.ipynb", every) \
+        == labs.lab_of("05_zero (1).ipynb", every) == "05_zero"
+    assert labs.lab_of("05_zeroes.ipynb", every) is None and labs.lab_of("zero.ipynb", every) is None
+
+
+def test_a_notebook_is_graded_on_exactly_its_labs_exercises(tmp_path):
+    """Lab 05 whose zero2_step cell lost its nbgrader metadata (it would fail), with lab
+    00's exercise cell appended (its test would pass): 2/5, not 2/2 nor 3/3."""
+    passing = "NOTEBOOK = '05_zero'\n\n\ndef test_one():\n    pass\n"
+    tests = _tests(tmp_path, {"zero_bytes_per_rank": passing, "shard_range": passing,
+                              "zero2_step": passing + "\n\ndef test_two():\n    pass\n\n\n"
+                                            "def test_three():\n    pass\n",
+                              "all_reduce_mean": passing.replace("05_zero", "00_setup")})
+    path = _notebook(tmp_path, "05_zero", {}, unmark=("zero2_step",),
+                     append=(("00_setup", "all_reduce_mean"),))
+    results, _ = _grade(tmp_path, path, tests)
+    assert [n for n, r in results.items() if r["verdict"] != "ignored"] == [
+        "zero_bytes_per_rank", "shard_range", "zero2_step"]
+    lost = results["zero2_step"]
+    assert (lost["points"], lost["max_points"], lost["verdict"]) == (0, 3, "missing"), lost
+    assert "the exercise cell for zero2_step is missing or lost its nbgrader metadata: " \
+           "restore it from git" in lost["message"]
+    foreign = results["all_reduce_mean"]
+    assert (foreign["points"], foreign["max_points"], foreign["verdict"]) == (0, 0, "ignored")
+    assert "belongs to 00_setup" in foreign["message"]
+    assert sum(r["max_points"] for r in results.values()) == 5
+
+    unknown = runner.grade(_notebook(tmp_path, "05_zero", {}, name="my_zero"), tests)
+    assert [(r.points, r.max_points, r.verdict) for r in unknown] == [(0, 0, "error")]
+    assert "my_zero.ipynb is not one of the labs" in unknown[0].message
+
+
+# --------------------------------------------------- 3. the library's own answers
+
+_CALLS = {  # lab 05's three exercises, each answered by the library in another way
+    "zero_bytes_per_rank": (
+        "from distlab.zero.memory import zero_bytes as _zb  # kept aside at import\n\n"
+        "def zero_bytes_per_rank(*args, **kwargs):\n    return _zb(*args, **kwargs)\n"),
+    "shard_range": (
+        "def shard_range(*args):  # a fresh copy of the library's module, from its file\n"
+        "    import importlib.util\n    import distlab.shards\n"
+        "    spec = importlib.util.spec_from_file_location('mine', distlab.shards.__file__)\n"
+        "    module = importlib.util.module_from_spec(spec)\n"
+        "    spec.loader.exec_module(module)\n    return module.shard_range(*args)\n"),
+    "zero2_step": (
+        "def zero2_step(*args, **kwargs):\n    import distlab.zero.step\n"
+        "    return distlab.zero.step.zero2_step(*args, **kwargs)\n"),
+}
+_CALL_TESTS = {
+    "zero_bytes_per_rank": "def test_call(student):\n"
+                           "    assert student.zero_bytes_per_rank(1e9, 4, 2) > 0\n",
+    "shard_range": "def test_call(student):\n"
+                   "    assert tuple(student.shard_range(10, 0, 2)) == (0, 5)\n",
+    "zero2_step": "import torch\n\n\ndef test_call(student):\n"
+                  "    student.zero2_step(torch.zeros(4), torch.ones(4), {}, lr=0.1)\n",
+}
+
+
+def test_calling_or_reloading_the_librarys_answer_scores_zero(tmp_path):
+    tests = _tests(tmp_path, {name: "NOTEBOOK = '05_zero'\n" + text
+                              for name, text in _CALL_TESTS.items()}, conftest=True)
+    results, _ = _grade(tmp_path, _notebook(tmp_path, "05_zero", _CALLS), tests)
+    for name in _CALLS:
+        r = results[name]
+        assert (r["points"], r["max_points"]) == (0, 1), r
+        assert "this is the library's answer" in r["message"], r
+    if os.geteuid() == 0:  # the file re-loaded is the stub: the source is hidden
+        assert "its source is hidden while grading" in results["shard_range"]["message"]
+
+
+def test_subclassing_the_librarys_answer_scores_zero(tmp_path):
+    path = _notebook(tmp_path, "08_overlap", {"BucketedDDP": (
+        "from distlab.dp import DataParallel\n\n\n"
+        "class BucketedDDP(DataParallel):\n    pass\n")})
+    results, _ = _grade(tmp_path, path)
+    r = results["BucketedDDP"]
+    assert r["points"] == 0 and r["max_points"] >= 5, r
+    assert "this is the library's answer to the exercise being graded" in r["message"], r
+
+
+_PROBE = '''
+for _folder in ("/tmp", "/dev/shm"):  # left behind, if these are the machine's
+    try:
+        with open(f"{_folder}/MARK", "w") as _f:
+            _f.write("left behind by a student")
+    except OSError:
+        pass
+
+
+def all_reduce_mean(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    return tensor.div_(dist.get_world_size(group))
+
+
+def probe():
+    import glob, os
+    import distlab.zero.step
+    found = {}
+    try:
+        found["source"] = open(distlab.zero.step.__file__).read()
+    except OSError as exc:
+        found["source"] = repr(exc)
+    folder = os.path.join(os.path.dirname(distlab.zero.step.__file__), "__pycache__")
+    found["bytecode"] = [open(p, "rb").read().decode("latin-1")
+                         for p in glob.glob(os.path.join(folder, "step.*.pyc"))]
+    kit = os.path.dirname(os.path.dirname(os.path.dirname(distlab.__file__)))
+    found["solutions"] = sorted(os.listdir(os.path.join(kit, "solutions")))
+    found["git"] = sorted(os.listdir(os.path.join(kit, ".git"))) if os.path.isdir(
+        os.path.join(kit, ".git")) else []
+    return found
+'''
+_PROBE_TEST = '''NOTEBOOK = "00_setup"
+
+
+def test_the_answers_cannot_be_read(student):
+    found = student.probe()
+    assert "def zero2_step" not in found["source"], "zero/step.py was readable"
+    assert not any("reduce_scatter_mean" in b for b in found["bytecode"]), "its .pyc was readable"
+    assert found["solutions"] == [], f"solutions/ was readable: {found['solutions']}"
+    assert found["git"] == [], "the kit's git history was readable"
+'''
+
+
+@ROOT_ONLY
+def test_graded_ranks_cannot_read_the_answers_nor_leave_files_in_tmp(tmp_path):
+    import uuid
+
+    import distlab.zero.step  # noqa: F401  (its bytecode exists to be hidden)
+
+    mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
+    tests = _tests(tmp_path, {"all_reduce_mean": _PROBE_TEST}, conftest=True)
+    path = _notebook(tmp_path, "00_setup", {"all_reduce_mean": _PROBE.replace("MARK", mark)})
+    try:
+        results, _ = _grade(tmp_path, path, tests)
+        left = [f for f in (Path("/tmp") / mark, Path("/dev/shm") / mark) if f.exists()]
+    finally:
+        for folder in ("/tmp", "/dev/shm"):
+            (Path(folder) / mark).unlink(missing_ok=True)
+    r = results["all_reduce_mean"]
+    assert (r["points"], r["max_points"], r["verdict"]) == (1, 1, "pass"), r
+    assert left == [], f"the student's code left {left} on the machine"
+
+
+# ------------------------------------------------ 4. FIFOs and the time limit
+
+
+def test_a_fifo_for_a_stack_file_cannot_hang_the_launcher(tmp_path):
+    from distlab.runtime.pool import Pool
+
+    class Rank:  # what _stacks uses of a rank; no process is signalled
+        rank, stack_path = 0, str(tmp_path / "stack-0.txt")
+
+        def signal(self, sig):
+            pass
+
+        def alive(self):
+            return True
+
+    os.mkfifo(Rank.stack_path)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(Pool._stacks(None, [Rank()])),
+                              daemon=True)
+    reader.start()
+    reader.join(15)
+    if reader.is_alive():  # unblock the old code's open() by being its writer
+        os.close(os.open(Rank.stack_path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+        pytest.fail("reading a rank's stack blocked on a FIFO")
+    assert "not a regular file" in got[0]
+
+
+def test_no_exercise_outlives_its_time_limit_whatever_hangs(tmp_path):
+    """The tests of one exercise hang in the grader's own pytest process (as a launcher
+    stuck on a FIFO did), beyond any budget the plugin checks: the grader stops them
+    soon after the limit, and the next exercises are still graded."""
+    passing = "NOTEBOOK = '05_zero'\n\n\ndef test_one():\n    pass\n"
+    tests = _tests(tmp_path, {"zero_bytes_per_rank": "import time\n\nNOTEBOOK = '05_zero'\n\n\n"
+                                                     "def test_hang():\n    time.sleep(3600)\n",
+                              "shard_range": passing, "zero2_step": passing})
+    results, seconds = _grade(tmp_path, _notebook(tmp_path, "05_zero", {}), tests, timeout=5)
+    hung = results["zero_bytes_per_rank"]
+    assert (hung["points"], hung["max_points"], hung["verdict"]) == (0, 1, "timeout"), hung
+    assert "did not finish within 5 s" in hung["message"], hung
+    assert [results[n]["verdict"] for n in ("shard_range", "zero2_step")] == ["pass", "pass"]
+    assert seconds < 5 + 10 + 45, f"stopped after {seconds:.0f} s"
+
+
+# ---------------------------------------------------------- 5. the terminal
+
+
+def test_control_characters_never_reach_the_terminal_raw():
+    nasty = "wrong\x1b[2J\x1b[H\rtotal: 99/99\u202e\x07"
+    shown = runner.table([runner.Result("zero2_step", 0, 20, "fail", nasty)],
+                         title="\nlabs/05_zero\x1b]0;owned\x07.ipynb")
+    assert not any(ch in shown for ch in "\x1b\r\x07\u202e"), repr(shown)
+    assert "\\x1b[2J" in shown and shown.endswith("total: 0/20")
+    assert shown.count("\n") == 5  # the title's own line break, then header, rule, row, total
+    assert json.loads(json.dumps(dataclasses.asdict(
+        runner.Result("x", 0, 1, "fail", nasty))))["message"] == nasty  # the JSON is exact
