@@ -1,0 +1,112 @@
+"""The grader as teacher, lab 05: wrong answers a student would plausibly write to the core
+exercise ``ZeRO3Unit`` each fail with a message that names the mistake.
+
+Each mutant is the solution's cell with one plausible change; each is graded as a student's
+notebook would be (``runner.grade(path, only=["ZeRO3Unit"])``): one grade run per mutant
+(the grader reports an exercise's first failing check, so mutants of one exercise cannot
+share a run), two at a time.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from distlab.grading import notebook, runner
+
+ROOT = Path(__file__).resolve().parents[1]
+EXERCISE = "ZeRO3Unit"
+
+
+def _solution_cell() -> str:
+    nb = nbformat.read(ROOT / "solutions" / "05_zero.ipynb", as_version=4)
+    return notebook.exercises(nb)[EXERCISE]
+
+
+def _replace(source: str, *pairs: tuple[str, str]) -> str:
+    for old, new in pairs:
+        assert source.count(old) == 1, f"the solution changed: {old!r} is not in it once"
+        source = source.replace(old, new)
+    return source
+
+
+NOT_FREED = ((
+    "        def after_forward(mod, args, output):\n            free()\n",
+    "        def after_forward(mod, args, output):\n"),)
+
+NO_REGATHER = ((
+    "            if output.requires_grad:        # its gradient comes just before the module's "
+    "backward\n                output.register_hook(lambda grad: gather())\n", ""),)
+
+SUMMED = (("mean = summed[:sizes[rank]] / world", "mean = summed[:sizes[rank]]"),)
+
+ALL_REDUCE = ((
+    "                rows = grad.new_zeros(world, chunk)\n"
+    "                for r, piece in enumerate(grad.tensor_split(world)):\n"
+    "                    rows[r, :len(piece)] = piece\n"
+    "                summed = grad.new_empty(chunk)\n"
+    "                reduce_scatter_into(summed, rows.view(-1), group=group)\n"
+    "                mean = summed[:sizes[rank]] / world\n",
+    "                dist.all_reduce(grad, group=group)\n"
+    "                mean = grad.tensor_split(world)[rank] / world\n"),)
+
+FLOOR = ((
+    "        sizes = [len(piece) for piece in flat.tensor_split(world)]\n"
+    "        chunk = sizes[0]                    # ceil(numel / world): the collectives' pieces\n"
+    "        self.shard = nn.Parameter(flat.tensor_split(world)[rank].clone())\n",
+    "        chunk = flat.numel() // world\n"
+    "        sizes = [chunk] * world\n"
+    "        self.shard = nn.Parameter(flat[rank * chunk:(rank + 1) * chunk].clone())\n"), (
+    "                full.data.copy_(torch.cat([rows[r, :n] for r, n in enumerate(sizes)]))\n",
+    "                full.data[:world * chunk].copy_(rows.view(-1))\n"), (
+    "                rows = grad.new_zeros(world, chunk)\n"
+    "                for r, piece in enumerate(grad.tensor_split(world)):\n"
+    "                    rows[r, :len(piece)] = piece\n",
+    "                rows = grad[:world * chunk].reshape(world, chunk)\n"))
+
+# (mutant, its change, what the student must read, the test that must be the first to fail)
+MUTANTS = [
+    ("the full parameters kept after forward", NOT_FREED,
+     "the full parameters stay allocated after forward", "test_frees_the_full_parameters"),
+    ("no gather before backward", NO_REGATHER,
+     "backward used parameters that were freed: re-gather before backward",
+     "test_frees_the_full_parameters"),
+    ("gradients summed, not averaged", SUMMED,
+     "gradients were summed over the ranks, not averaged", "test_the_shard_gradient"),
+    ("an all-reduce for the reduce-scatter", ALL_REDUCE,
+     "a reduce-scatter (half an all-reduce's traffic) belongs there", "test_three_psi"),
+    ("shards of numel // world_size", FLOOR,
+     "uneven shards lost", "test_keeps_only_this_ranks_shard"),
+]
+
+
+def _mutant(tmp_path: Path, name: str, change) -> Path:
+    nb = nbformat.read(ROOT / "solutions" / "05_zero.ipynb", as_version=4)
+    for cell in nb.cells:
+        if notebook.grade_id(cell) == EXERCISE:
+            cell.source = _replace(cell.source, *change)
+    folder = tmp_path / name.replace(" ", "_").replace("/", "_")
+    folder.mkdir()
+    nbformat.write(nb, folder / "05_zero.ipynb")
+    return folder / "05_zero.ipynb"
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """Every mutant graded, two grade runs at a time (each is its own contained pytest
+    process)."""
+    tmp = tmp_path_factory.mktemp("mutants")
+    paths = {name: _mutant(tmp, name, change) for name, change, *_ in MUTANTS}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(runner.grade, path, only=[EXERCISE])
+                   for name, path in paths.items()}
+        return {name: future.result()[0] for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
+                         ids=[m[0] for m in MUTANTS])
+def test_a_wrong_zero3_unit_fails_naming_its_mistake(verdicts, name, says, first):
+    r = verdicts[name]
+    assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
+    assert says in r.message, (name, r.message)
+    assert r.message.startswith(first), (name, r.message)
