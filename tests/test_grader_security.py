@@ -7,7 +7,8 @@
 * a stack file replaced by a FIFO cannot hang the launcher, and no exercise outlives
   its time limit, whatever hangs;
 * control characters in what the student controls never reach the terminal raw;
-* files the student's code leaves in /tmp or /dev/shm vanish with the grading run.
+* files the student's code leaves in /tmp or /dev/shm vanish with the grading run;
+* a rank that allocates past its memory cap is reported "out of memory".
 
 Every grading run happens in a PID namespace of its own (as root), with a guard in each
 Python process that refuses, and records, any signal to PID <= 1.
@@ -57,13 +58,14 @@ from pathlib import Path
 from distlab.grading import runner
 
 args = json.loads(sys.argv[1])
-results = runner.grade(Path(args["path"]), tests_dir=Path(args["tests"]), timeout=args["timeout"])
+results = runner.grade(Path(args["path"]), tests_dir=Path(args["tests"]), timeout=args["timeout"],
+                       memory_mb=args["memory"])
 print(json.dumps([dataclasses.asdict(r) for r in results]))
 """
 
 
 def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 300,
-           limit: float = 400) -> tuple[dict, float]:
+           limit: float = 400, memory: int | None = None) -> tuple[dict, float]:
     """runner.grade in a PID namespace (as root) under the signal guard: exercise → its
     result as a dict, and the seconds it took."""
     guard = tmp_path / "guard"
@@ -74,7 +76,8 @@ def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 30
     env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
         [str(guard)] + [p for p in sys.path if p]))
     cmd = [sys.executable, str(tmp_path / "driver.py"),
-           json.dumps({"path": str(path), "tests": str(tests), "timeout": timeout})]
+           json.dumps({"path": str(path), "tests": str(tests), "timeout": timeout,
+                       "memory": memory})]
     if sandbox.containment() == "pidns":
         cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
     start = time.monotonic()
@@ -168,15 +171,17 @@ def test_the_kits_list_of_exercises_agrees_with_solutions_and_tests(tmp_path, mo
     for test in runner.TESTS.glob("test_*.py"):
         if test.name != "test_zero2_step.py":
             (tests / test.name).write_text(test.read_text())
-    assert "05_zero" in labs.exercises(tests) and "zero2_step" not in labs.exercises(tests)["05_zero"]
+    assert "zero2_step" not in labs.exercises(tests)["05_zero"]
     assert any("solutions/ has the exercise zero2_step" in p
                for p in labs.problems(ROOT / "solutions", tests))
     monkeypatch.delitem(labs.ANSWERS, "shard_range")
-    assert any("shard_range (05_zero) has no entry" in p for p in labs.problems(ROOT / "solutions"))
+    assert any("shard_range (05_zero) has no entry" in p
+               for p in labs.problems(ROOT / "solutions"))
     every = labs.exercises()
     assert labs.lab_of("x/05_zero.ipynb", every) == labs.lab_of("05_zero-alice.ipynb", every) \
         == labs.lab_of("05_zero (1).ipynb", every) == "05_zero"
-    assert labs.lab_of("05_zeroes.ipynb", every) is None and labs.lab_of("zero.ipynb", every) is None
+    assert labs.lab_of("05_zeroes.ipynb", every) is None
+    assert labs.lab_of("zero.ipynb", every) is None
 
 
 def test_a_notebook_is_graded_on_exactly_its_labs_exercises(tmp_path):
@@ -358,7 +363,31 @@ def test_no_exercise_outlives_its_time_limit_whatever_hangs(tmp_path):
     assert (hung["points"], hung["max_points"], hung["verdict"]) == (0, 1, "timeout"), hung
     assert "did not finish within 5 s" in hung["message"], hung
     assert [results[n]["verdict"] for n in ("shard_range", "zero2_step")] == ["pass", "pass"]
-    assert seconds < 5 + 10 + 45, f"stopped after {seconds:.0f} s"
+    assert seconds < 5 + 10 + 100, f"stopped after {seconds:.0f} s (the old grader: 135 s+)"
+
+
+_HOG = '''
+def all_reduce_mean(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    return tensor.div_(dist.get_world_size(group))
+
+
+def hog():
+    import torch
+    return float(torch.ones(3 * 2**27).sum())  # 1.5 GiB
+'''
+
+
+def test_a_rank_past_its_memory_is_reported_out_of_memory(tmp_path):
+    tests = _tests(tmp_path, {"all_reduce_mean": "NOTEBOOK = '00_setup'\n\n\n"
+                                                 "def test_hog(student):\n"
+                                                 "    assert student.hog() > 0\n"},
+                   conftest=True)
+    results, _ = _grade(tmp_path, _notebook(tmp_path, "00_setup", {"all_reduce_mean": _HOG}),
+                        tests, memory=1024)
+    r = results["all_reduce_mean"]
+    assert (r["points"], r["max_points"], r["verdict"]) == (0, 1, "out of memory"), r
+    assert "each graded rank may hold 1024 MiB" in r["message"], r
 
 
 # ---------------------------------------------------------- 5. the terminal

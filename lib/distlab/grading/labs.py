@@ -106,11 +106,12 @@ def _refusing_code(code: types.CodeType, what: str) -> types.CodeType:
     """Code that raises the refusal, with as many free variables as ``code`` (so that it
     can replace it in a function whose closure has them, e.g. ``__class__``)."""
     free = [f"_free{i}" for i in range(len(code.co_freevars))]
+    name = code.co_name if code.co_name.isidentifier() else "refused"
     body = (f"def _outer():\n    {' = '.join(free) + ' = None' if free else 'pass'}\n"
-            f"    def {code.co_name if code.co_name.isidentifier() else 'refused'}(*args, **kwargs):\n"
+            f"    def {name}(*args, **kwargs):\n"
             f"        {'; '.join(free) if free else 'pass'}\n"
             f"        raise RuntimeError({f'{REFUSAL} ({what}): write your own'!r})\n"
-            f"    return {code.co_name if code.co_name.isidentifier() else 'refused'}\n")
+            f"    return {name}\n")
     namespace: dict = {}
     exec(compile(body, "<the library's answer, refused while grading>", "exec"),
          {"__builtins__": __builtins__}, namespace)

@@ -50,6 +50,13 @@ def _verdict_of(exc) -> tuple[str, str]:
         return "deadlock", f"deadlock: no answer within {exc.timeout:g} s ({where})" + (
             "; a rank whose last call was an async collective is waiting for it to finish"
             if waiting else "")
+    if isinstance(exc, MemoryError) or (isinstance(exc, (RankError, RuntimeError)) and (
+            getattr(exc, "exc_type", "") == "MemoryError" or "can't allocate memory" in str(exc)
+            or "Cannot allocate memory" in str(exc))):
+        limit = os.environ.get("DISTLAB_GRADE_MEMORY_MB")
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return "out of memory", (f"out of memory: {first}" + (
+            f" (each graded rank may hold {limit} MiB)" if limit else ""))
     if isinstance(exc, NotImplementedError) or (
             isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
         return "not attempted", "not implemented yet (raise NotImplementedError)"

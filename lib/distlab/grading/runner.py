@@ -21,6 +21,10 @@ own clock from the moment its tests start: past the limit plus a grace of 10-30 
 stops the whole run, whatever it is stuck on (student code cannot extend that), reports
 the exercise's unfinished tests as "timeout", and reruns the exercises not yet started.
 
+Memory: each graded rank may hold ``--memory`` MiB of data (RLIMIT_DATA, set before the
+student's module is imported, soft and hard); an exercise whose failures are allocations
+refused is reported as "out of memory".
+
 Isolation: each exercise's tests run on ranks of their own (the warm ranks are thrown
 away between exercises, and after any failure), with the library's answers to that
 exercise refusing. What the grader guarantees against students' code, under which
@@ -59,7 +63,7 @@ class Result:
     points: int
     max_points: int
     verdict: str   # pass, partial, fail, deadlock, not attempted, missing, error, timeout,
-    #                blocked, ignored (an exercise cell of another lab: worth nothing here)
+    #                out of memory, blocked, ignored (another lab's cell: worth nothing here)
     message: str   # the first failing check, in plain words
     blocked: int = 0  # tests this machine could not run
     seconds: float = 0.0
@@ -82,6 +86,7 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
         first = failed[0]
         verdict = ("not attempted" if kinds == {"not attempted"} and not passed else
                    "deadlock" if "deadlock" in kinds else
+                   "out of memory" if "out of memory" in kinds and not passed else
                    "timeout" if "timeout" in kinds and not passed else
                    "partial" if passed else "fail")
         message = next((t for t in failed if t["outcome"] == "deadlock"), first)["message"]
@@ -173,14 +178,28 @@ MISSING = ("the exercise cell for {name} is missing or lost its nbgrader metadat
            "it from git (its tests count, none ran)")
 
 
+def memory_limit_mb() -> int:
+    """MiB of data each graded rank may hold (``DISTLAB_GRADE_MEMORY_MB``, else an eighth
+    of the machine's memory and at least 2 GiB: four ranks then take at most half)."""
+    if os.environ.get("DISTLAB_GRADE_MEMORY_MB"):
+        return int(os.environ["DISTLAB_GRADE_MEMORY_MB"])
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    except (ValueError, OSError):
+        total = 16384
+    return max(2048, total // 8)
+
+
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
-          only: list[str] | None = None) -> list[Result]:
+          only: list[str] | None = None, memory_mb: int | None = None) -> list[Result]:
     """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
     the file name, its exercises by the tests of ``tests_dir`` that declare it,
-    :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest run over the exercises' test files, each exercise's
-    tests limited to ``timeout`` seconds. An exercise whose cell is missing scores 0 of
-    its tests; an exercise cell of another lab is reported as ignored; a notebook whose
-    name is no lab's gets one "error" row and nothing else."""
+    :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest
+    run over the exercises' test files, each exercise's tests limited to ``timeout``
+    seconds (reruns for the exercises a stopped run never reached), each graded rank's
+    data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
+    is missing scores 0 of its tests; an exercise cell of another lab is reported as
+    ignored; a notebook whose name is no lab's gets one "error" row and nothing else."""
     import nbformat
 
     from distlab.grading import labs, notebook
@@ -216,7 +235,8 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         run_dir = Path(tmp) / "tmp"
         run_dir.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
-                   DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir))
+                   DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir),
+                   DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
         env.update(_hiding(Path(tmp), user))
         env.update(_private_tmp(Path(tmp), tests_dir, user))
         first = True
@@ -412,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=EXERCISE_TIMEOUT,
                         help="seconds for the tests of one exercise (default %(default)s)")
     parser.add_argument("--exercise", action="append", help="grade only this exercise")
+    parser.add_argument("--memory", type=int, default=None,
+                        help="MiB of data each graded rank may hold (default: an eighth of "
+                             "this machine's memory, at least 2048)")
     args = parser.parse_args(argv)
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
@@ -433,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             report[str(path)] = {"error": problem}
             unreadable += 1
             continue
-        results = grade(path, timeout=args.timeout, only=args.exercise)
+        results = grade(path, timeout=args.timeout, only=args.exercise, memory_mb=args.memory)
         print(table(results, title=f"\n{path}"), flush=True)
         report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
                                           "verdict": r.verdict, "message": r.message,

@@ -28,12 +28,16 @@ Everywhere (Linux; any user):
    that exercise has its code replaced by a refusal ("this is the library's answer to the
    exercise being graded"): calling, instantiating or subclassing it raises, through any
    alias, and the original code is kept nowhere in that rank.
-6. **Time.** No exercise runs past its limit plus a grace (10-30 s), timed on the
+6. **Memory.** Each graded rank's data (RLIMIT_DATA, where tensors live) is capped at
+   the grader's ``--memory`` before the student's module is imported; allocations past
+   it fail and the exercise is reported "out of memory". The cap is per rank: an
+   exercise's launch of N ranks may hold N times it.
+7. **Time.** No exercise runs past its limit plus a grace (10-30 s), timed on the
    grader's own clock: the grader stops the whole pytest run, whatever it is stuck on,
    counts that exercise's unfinished tests as timed out, and reruns the exercises that
    had not started. The launcher reads a rank's stack file without following links or
    blocking, and at most 1 MiB of it.
-7. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in a
+8. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in a
    new PID namespace (namespaces), otherwise under a child subreaper (Linux), otherwise
    (elsewhere) only its process group is killed. When pytest ends, every process it left
    behind — daemons started with ``start_new_session=True`` included — is killed before
@@ -41,29 +45,35 @@ Everywhere (Linux; any user):
 
 As root:
 
-8. **An unprivileged user.** Ranks run as ``nobody`` (or ``DISTLAB_SANDBOX_USER``), with
+9. **An unprivileged user.** Ranks run as ``nobody`` (or ``DISTLAB_SANDBOX_USER``), with
    no supplementary groups and no new privileges: they cannot write the grader's files or
    signal its processes. They keep CAP_DAC_READ_SEARCH (the Python installation may sit
    in a root-only folder), so they can *read* any file on the machine, except:
-9. **Hidden sources** (root and namespaces): each graded rank, before it drops root,
+10. **Hidden sources** (root and namespaces): each graded rank, before it drops root,
    imports every module :data:`~distlab.grading.labs.ANSWERS` names and, in a mount
    namespace of its own, binds a stub over each one's source file and cached bytecode
    (re-loading it raises "its source is hidden while grading") and an empty folder over
    the kit's ``solutions/``, ``.git`` and ``build/``
    (:func:`distlab.runtime.privileges.hide_sources`).
+11. **A private /tmp and /dev/shm** (root and namespaces): the supervisor of each pytest
+    run mounts a fresh tmpfs on both in the run's mount namespace (the grader's and the
+    tests' folders bound back in); what the student's code leaves there vanishes with
+    the run (:func:`_private_tmp`).
 
 What this does not guarantee: code running as the grader's own user (a student grading
 their own laptop) can edit the tests themselves, and nothing is hidden from it; as root
 without namespaces nothing is hidden either. Other copies of the kit on the machine
 (another checkout, a wheel, a pip cache, other students' submissions) stay readable to
 the ranks. /tmp and /dev/shm are the machine's: files the ranks leave there stay, and
-ranks graded at the same time as the same user can meet there. There is no memory limit
-per exercise. The launcher opens a rank's status-board file plainly: a FIFO put there
-blocks it until the time limit stops the exercise (a timeout, not a hang). Only the
-library objects named in ANSWERS refuse; other library code stays usable. And what is
-observed *inside* a rank — which collectives ran (CommLog), what the status board says —
-is reported by a process that ran the student's code, so a deliberate forgery of those
-observations is possible. Answers (values, gradients, weights) are always checked outside it.
+ranks graded at the same time as the same user can meet there (except as root with
+namespaces, where each run gets its own /tmp and /dev/shm; /var/tmp stays shared). The
+memory cap is per rank, not per exercise, and not on GPU memory. The launcher opens a
+rank's status-board file plainly: a FIFO put there blocks it until the time limit stops
+the exercise (a timeout, not a hang). Only the library objects named in ANSWERS refuse;
+other library code stays usable. And what is observed *inside* a rank — which
+collectives ran (CommLog), what the status board says — is reported by a process that
+ran the student's code, so a deliberate forgery of those observations is possible.
+Answers (values, gradients, weights) are always checked outside it.
 """
 from __future__ import annotations
 
@@ -198,6 +208,7 @@ def _module(path: str, exercise: str = ""):
                            f"cannot grade {exercise!r} (the grader starts fresh ranks for "
                            f"each exercise)")
     _graded.append(exercise)
+    _limit_memory()
     labs.disarm(exercise)
     name = f"student_{Path(path).stem}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -205,6 +216,20 @@ def _module(path: str, exercise: str = ""):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _limit_memory() -> None:
+    """Cap this rank's data (RLIMIT_DATA: heap and private writable mappings, which is
+    where tensors live; not CUDA's reserved address space) at DISTLAB_GRADE_MEMORY_MB,
+    soft and hard, so the student's code cannot raise it again."""
+    import resource
+
+    mb = os.environ.get("DISTLAB_GRADE_MEMORY_MB")
+    if mb:
+        limit = int(mb) * 2**20
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard == resource.RLIM_INFINITY or hard > limit:
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
 
 
 def _resolve(path: str, name: str, exercise: str = ""):

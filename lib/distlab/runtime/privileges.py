@@ -83,7 +83,8 @@ def drop_privileges(uid: int, gid: int) -> None:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
 
 
-CLONE_NEWNS, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x00020000, 2, 4, 4096, 16384, 1 << 18
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
 
 
 def hide_sources(spec: dict) -> None:
