@@ -1,0 +1,102 @@
+"""The grader as teacher, lab 06: wrong answers a student would plausibly write to the core
+exercise ``vocab_parallel_cross_entropy`` each fail with a message that names the mistake.
+
+Each mutant is the solution's cell with one plausible change, graded as a student's
+notebook would be (``runner.grade(path, only=[EXERCISE])``): one grade run per mutant,
+since the grader reports an exercise's first failing check only, two runs at a time.
+"""
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from distlab.grading import notebook, runner
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB, EXERCISE = "06_tensor_parallel", "vocab_parallel_cross_entropy"
+
+NO_MAX = ((
+    "    peak = logits.detach().amax(dim=-1)\n"
+    "    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)\n"
+    "    shifted = logits - peak.unsqueeze(-1)\n",
+    "    shifted = logits\n"),)
+
+LOCAL_MAX = (("    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)\n", ""),)
+
+UNMASKED = ((
+    "picked = shifted.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)",
+    "picked = shifted.gather(-1, local.clamp(0, sizes[rank] - 1).unsqueeze(-1)).squeeze(-1)"), (
+    "picked = tp.reduce_from_group(picked.masked_fill(outside, 0.0), group)",
+    "picked = tp.reduce_from_group(picked, group)"))
+
+LOCAL_SUM = (("sum_exp = tp.reduce_from_group(shifted.exp().sum(-1), group)",
+              "sum_exp = shifted.exp().sum(-1)"),)
+
+FLOOR = ((
+    "    if logits.shape[-1] != sizes[rank]:\n",
+    "    per = vocab_size // dist.get_world_size(group)  # every rank's width, supposedly\n"
+    "    if logits.shape[-1] not in (per, per + 1):\n"), (
+    "    start = sum(sizes[:rank])", "    start = rank * per"), (
+    "(local >= sizes[rank])", "(local >= per)"))
+
+MAX_IN_GRAPH = (("peak = logits.detach().amax(dim=-1)", "peak = logits.amax(dim=-1)"),)
+
+# (mutant, its change, what the student must read, the test that must be the first to fail)
+MUTANTS = [
+    ("no max subtracted", NO_MAX, "Overflow: subtract the global max before exp",
+     "test_logits_near_1e4_do_not_overflow"),
+    ("a local max, not all-reduced", LOCAL_MAX, "each rank subtracted its OWN largest logit",
+     "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
+    ("the target's logit taken on every rank, unmasked", UNMASKED,
+     "the target's logit was taken on EVERY rank",
+     "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
+    ("the sum of the exponentials not all-reduced", LOCAL_SUM,
+     "the sum of the exponentials is this rank's only",
+     "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
+    ("shards of vocab_size // t", FLOOR, "r * (vocab_size // t)",
+     "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
+    ("the max kept in autograd's graph", MAX_IN_GRAPH,
+     "the max went through dist.all_reduce inside autograd's graph",
+     "test_the_gradient_is_this_ranks_slice_of_the_full_one"),
+]
+
+
+def _replace(source: str, *pairs: tuple[str, str]) -> str:
+    for old, new in pairs:
+        assert source.count(old) == 1, f"the solution changed: {old!r} is not in it once"
+        source = source.replace(old, new)
+    return source
+
+
+def _mutant(tmp_path: Path, name: str, change) -> Path:
+    nb = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    for cell in nb.cells:
+        if notebook.grade_id(cell) == EXERCISE:
+            cell.source = _replace(cell.source, *change)
+    folder = tmp_path / name.replace(" ", "_").replace("/", "_").replace("'", "")
+    folder.mkdir()
+    nbformat.write(nb, folder / f"{LAB}.ipynb")
+    return folder / f"{LAB}.ipynb"
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    """Every mutant graded, two grade runs at a time (each is its own contained pytest
+    process)."""
+    tmp = tmp_path_factory.mktemp("mutants")
+    paths = {name: _mutant(tmp, name, change) for name, change, *_ in MUTANTS}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(runner.grade, path, only=[EXERCISE])
+                   for name, path in paths.items()}
+        return {name: future.result()[0] for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
+                         ids=[m[0] for m in MUTANTS])
+def test_a_wrong_vocab_parallel_cross_entropy_fails_naming_its_mistake(verdicts, name, says,
+                                                                       first):
+    r = verdicts[name]
+    assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
+    assert says in r.message, (name, r.message)
+    assert r.message.startswith(first), (name, r.message)
