@@ -1,0 +1,392 @@
+"""Exercise run_stage(stage, table, inputs, targets, group=None) of lab 07.
+
+One training step of one pipeline stage: the stage's row of a schedule table, run in
+order, with activations sent to the next stage and gradients to the previous one over
+point-to-point calls in NCCL-safe groups, the last stage's loss weighed by each
+micro-batch's share of the batch, and the tied embedding's gradient summed between the
+first and the last stage.
+
+Each case is one launch on gloo ranks: the awkward tiny GPT (tied head, a frozen
+parameter, one the loss never uses; float64) cut by ``pp.Stage``, trained for two SGD
+steps with the library's GPipe or 1F1B table and the student's ``run_stage``. Back come,
+as plain data, every rank's returned losses, its gradients after the first step, its
+final weights and its CommLog. Here they are held to one process on the whole batch
+(computed in this process), and the logs to NCCL's rules
+(:func:`distlab.collectives.p2p_check.nccl_deadlock`). A wrong answer is named where it
+can be: gradients m times too large, micro-batches weighed 1/m, the tied gradient not
+summed, a backward on another micro-batch's activations, a receive buffer of the wrong
+shape, groups that would hang on NCCL. After one launch deadlocks, the others are not
+tried (each would cost its timeout): they report the same deadlock.
+"""
+import copy
+import functools
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab import launch, pp
+from distlab.collectives.p2p_check import nccl_deadlock
+from distlab.comm import CommLog
+from distlab.grading import expect_close
+from distlab.model import GPT
+from pp_cases import CFG, LANG, SEQ
+
+NOTEBOOK = "07_pipeline_parallel"
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
+
+TIMEOUT = 30  # seconds per launch; a correct one takes one or two (a few on a loaded machine)
+STEPS, LR = 2, 0.5
+FROZEN, UNUSED = "blocks.0.ln1.bias", "blocks.1.unused"
+TIED = ("tok_emb.weight", "head.weight")  # one tensor: the first stage's and the last's
+TITLE = {"gpipe": "GPipe", "1f1b": "1F1B"}
+RTOL, ATOL = 1e-5, 1e-7  # float64, loose enough for a loss taken in float32 (pp.cross_entropy)
+# schedule -> stages -> (micro-batches, batch rows): m < p, m not a multiple of p
+RUNS = {"gpipe": {2: (3, 6), 4: (2, 6)}, "1f1b": {2: (3, 6), 4: (5, 10)}}
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = GPT(CFG).double()
+    model.get_parameter(FROZEN).requires_grad_(False)
+    model.blocks[1].unused = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    return model
+
+
+def sgd(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.grad is not None:
+                p -= LR * p.grad
+                p.grad = None
+
+
+def named(module):
+    return module.named_parameters(remove_duplicate=False)
+
+
+# ---------------------------------------------------------------------- in the ranks
+
+
+def train(run_stage, schedule, m, batch, members=None):
+    """STEPS SGD steps of this rank's stage with the student's ``run_stage``; plain data
+    back. With ``members`` (global ranks), the pipeline is the group of those ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(members)) if members else None
+    members = list(members or range(world))
+    p = len(members)
+    stage = pp.Stage(make_model(), members.index(rank) if rank in members else 0, p)
+    table = pp.build_schedule(schedule, p, m)
+    before = {n: t.detach().clone() for n, t in named(stage.module)}
+    losses, grads = [], None
+    with CommLog() as log:
+        for step in range(STEPS):
+            loss = run_stage(stage, table, *LANG.batch(step, batch, SEQ), group)
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                losses.append(float(loss))
+            else:
+                losses.append(None if loss is None else f"a {type(loss).__name__}")
+            if grads is None:
+                grads = {n: None if t.grad is None else t.grad.detach().clone()
+                         for n, t in named(stage.module)}
+            sgd(stage)
+    params = {n: t.detach().clone() for n, t in named(stage.module)}
+    return {"member": rank in members, "losses": losses, "grads": grads, "params": params,
+            "untouched": all(torch.equal(params[n], before[n]) for n in params),
+            "log": log.records()}
+
+
+def errors(run_stage):
+    """What run_stage does with sizes that make no sense (every rank alike, so a correct
+    answer raises before any call)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    cases = {"a batch of 2 rows in 3 micro-batches": (pp.build_schedule("gpipe", world, 3),
+                                                      *LANG.batch(0, 2, SEQ))}
+    for name, (table, inputs, targets) in cases.items():
+        stage = pp.Stage(make_model(), rank, world)
+        try:
+            got = run_stage(stage, table, inputs, targets)
+            out[name] = f"returned {type(got).__name__}"
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            out[name] = type(exc).__name__
+    return out
+
+
+# ----------------------------------------------------------------- in the test process
+
+
+def _micro_grads(model, x, y, m, weight):
+    """The gradients of sum_i weight(rows_i) * loss(micro-batch i), on a copy."""
+    model = copy.deepcopy(model)
+    for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
+        loss = F.cross_entropy(model(xi).flatten(0, 1), yi.flatten())
+        (loss * weight(len(xi))).backward()
+    return {n: t.grad for n, t in named(model) if t.grad is not None}
+
+
+@functools.cache
+def one_process(batch, m):
+    """One process on the whole batch: the loss of each step, the first step's gradients,
+    the final weights."""
+    model = make_model()
+    losses, grads = [], None
+    for step in range(STEPS):
+        x, y = LANG.batch(step, batch, SEQ)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        if step == 0:
+            grads = {n: t.grad.clone() for n, t in named(model) if t.grad is not None}
+        losses.append(loss.item())
+        sgd(model)
+    return losses, grads, {n: t.detach().clone() for n, t in named(model)}
+
+
+@functools.cache
+def wrong_weighings(batch, m):
+    """The first step's gradients when micro-batch i's loss is weighed 1 or 1/m instead of
+    rows_i / B (computed only for a wrong answer)."""
+    model = make_model()
+    x, y = LANG.batch(0, batch, SEQ)
+    return {"unscaled": _micro_grads(model, x, y, m, lambda rows: 1.0),
+            "1/m": _micro_grads(model, x, y, m, lambda rows: 1.0 / m)}
+
+
+def rows_of(batch, m):
+    return [len(r) for r in torch.arange(batch).tensor_split(m)]
+
+
+def shapes_hint(batch, m):
+    rows = rows_of(batch, m)
+    return (f"a batch of {batch} rows makes micro-batches of {', '.join(map(str, rows))} rows "
+            f"(torch.tensor_split), so the activation of micro-batch i and its gradient are "
+            f"(rows_i, {SEQ}, {CFG.d_model}): allocate each receive buffer for the micro-batch "
+            f"it receives")
+
+
+MIXUP = ("a backward must have run on another micro-batch's stored output, or with another "
+         "micro-batch's gradient: keep what (\"F\", i) saved under i, and run (\"B\", i) on "
+         "micro-batch i's saved output with the gradient received for micro-batch i")
+
+_runs: dict = {}
+_deadlock: list = []  # the first launch that hung: the later ones are not tried
+
+
+def outcome(student, schedule, p, m, batch, members=None, world=None):
+    """Every rank's findings for one case, from one launch (cached, errors too)."""
+    key = (schedule, p, m, batch, members)
+    what = describe(schedule, p, m, batch, members)
+    if key not in _runs:
+        if _deadlock:
+            first = _deadlock[0]
+            _runs[key] = launch.LaunchTimeout(str(first), first.timeout, first.where,
+                                              first.stacks)
+        else:
+            try:
+                _runs[key] = launch.run(train, world or p, student.run_stage, schedule, m, batch,
+                                        members, backend="gloo", timeout=TIMEOUT)
+            except launch.LaunchTimeout as exc:
+                _deadlock.append(exc)
+                _runs[key] = exc
+            except launch.RankError as exc:
+                _runs[key] = exc if exc.exc_type == "NotImplementedError" else AssertionError(
+                    _rank_error(exc, what, batch, m))
+            except launch.LaunchError as exc:
+                _runs[key] = AssertionError(_crash(exc, what, batch, m))
+    if isinstance(_runs[key], BaseException):
+        raise _runs[key]
+    return _runs[key]
+
+
+def describe(schedule, p, m, batch, members=None):
+    where = f" of the group of global ranks {list(members)}" if members else ""
+    return (f"run_stage with {TITLE[schedule]} on {p} stages{where}, a batch of {batch} rows "
+            f"in m = {m} micro-batches")
+
+
+def _rank_error(exc, what, batch, m):
+    text = str(exc)
+    first = text.splitlines()[0]
+    tb = exc.remote_traceback.strip().splitlines()
+    place = next((line.strip() for line in reversed(tb) if line.strip().startswith("File")), "")
+    hint = ""
+    if "Mismatch in shape" in text:
+        hint = f"; {MIXUP}"
+    elif batch % m and ("size" in text or "shape" in text):
+        hint = f"; {shapes_hint(batch, m)}"
+    return f"{what}: {first}" + (f" ({place})" if place else "") + hint
+
+
+def _crash(exc, what, batch, m):
+    text = str(exc)
+    if "doesn't match expected size" in text:
+        return (f"{what}: a rank received a message larger than the buffer it posted for it "
+                f"(gloo aborted: \"Received data size doesn't match expected size\"; NCCL "
+                f"needs the same size on both sides); {shapes_hint(batch, m)}")
+    return f"{what}: {text.splitlines()[0]}"
+
+
+def check_training(student, schedule, p, m, batch, members=None, world=None):
+    """The student's run against one process: returns, gradients, losses, weights, then
+    NCCL's rules."""
+    ranks = outcome(student, schedule, p, m, batch, members, world)
+    what = describe(schedule, p, m, batch, members)
+    members = list(members or range(p))
+    losses, grads, params = one_process(batch, m)
+    for rank, got in enumerate(ranks):
+        if rank not in members:
+            assert all(v is None for v in got["losses"]) and not got["log"] and got["untouched"], (
+                f"{what}: global rank {rank} is not in the group, so run_stage must return None "
+                f"at once, with no call and no change to its stage")
+            continue
+        s = members.index(rank)
+        last = s == len(members) - 1
+        for step, loss in enumerate(got["losses"]):
+            if last:
+                assert isinstance(loss, float), (
+                    f"{what}: the last stage returned {loss or 'None'} at step {step}; it returns "
+                    f"the batch's mean loss, a one-element tensor")
+            else:
+                assert loss is None, (f"{what}: stage {s} returned {loss!r}; only the last "
+                                      f"stage returns the loss, the others None")
+    check_gradients(ranks, members, grads, losses[0], what, m, batch)
+    got_losses = torch.tensor(ranks[members[-1]]["losses"], dtype=torch.float64)
+    want = torch.tensor(losses, dtype=torch.float64)
+    if not torch.allclose(got_losses, want, rtol=RTOL, atol=ATOL):
+        ratio = float(got_losses[0] / want[0])
+        assert abs(ratio - m) > 1e-6 * m, (
+            f"{what}: the loss returned is {m} times the batch's mean loss: each micro-batch's "
+            f"mean loss counts for its share of the batch, rows_i / B (1/m here)")
+        expect_close(got_losses, want, f"{what}: the loss the last stage returned at each of "
+                     f"{STEPS} steps, against one process on the whole batch", RTOL, ATOL)
+    for rank in members:
+        for n, value in ranks[rank]["params"].items():
+            expect_close(value, params[n], f"{what}: stage {members.index(rank)}'s {n} after "
+                         f"{STEPS} SGD steps, against one process", RTOL, ATOL)
+    problem = nccl_deadlock([r["log"] for r in ranks])
+    assert problem is None, f"{what}: ran on gloo, but {on_nccl(problem)}"
+
+
+def on_nccl(problem: str) -> str:
+    """nccl_deadlock's account on one line, the hang first."""
+    sections: list[list[str]] = [[]]
+    for line in problem.splitlines():
+        if line.startswith("On NCCL") and sections[-1]:
+            sections.append([])
+        sections[-1].append(line)
+    flat = lambda lines: " ".join(line.strip().removeprefix("- ") for line in lines)
+    hang = [sec for sec in sections if sec[0].startswith("On NCCL this would hang")]
+    rest = " ".join(flat(sec) for sec in sections if sec not in hang)
+    if not hang:
+        return f"would fail on NCCL: {rest}"
+    return f"would deadlock on NCCL: {flat(hang[0][1:])}" + (f" Besides: {rest}" if rest else "")
+
+
+def _close(a, b):
+    return a is not None and b is not None and a.shape == b.shape and torch.allclose(
+        a, b, rtol=RTOL, atol=ATOL)
+
+
+def check_gradients(ranks, members, want, first_loss, what, m, batch):
+    """The first step's gradients, stage by stage, the mistakes named."""
+    bad = []  # (stage, name, got, want)
+    for s, rank in enumerate(members):
+        for n, g in ranks[rank]["grads"].items():
+            w = want.get(n)
+            if w is None:
+                assert g is None or not g.any(), (
+                    f"{what}: stage {s}'s {n} has a gradient, but one process gives it none "
+                    f"({'frozen' if n == FROZEN else 'the loss never uses it'})")
+            elif not _close(g, w):
+                bad.append((s, n, g, w))
+    if not bad:
+        return
+    for label, grads in wrong_weighings(batch, m).items():
+        if all(_close(g, grads.get(n)) for _, n, g, _ in bad):
+            if label == "unscaled":
+                raise AssertionError(
+                    f"{what}: the gradients are those of the SUM of the {m} micro-batches' mean "
+                    f"losses ({m} times one process's when m divides the batch): scale each "
+                    f"micro-batch's loss by its share of the batch, rows_i / B, before its "
+                    f"backward")
+            raise AssertionError(
+                f"{what}: each micro-batch's loss was weighed 1/m, but the micro-batches hold "
+                f"{', '.join(map(str, rows_of(batch, m)))} of the {batch} rows: weigh micro-batch "
+                f"i by rows_i / B, its share of the batch, so the gradients are those of the "
+                f"batch's mean loss")
+    if len(members) > 1 and all(n in TIED for _, n, _, _ in bad):
+        names = " and ".join(sorted({f"stage {s}'s {n}" for s, n, _, _ in bad}))
+        raise AssertionError(
+            f"{what}: every gradient matches one process's except {names}: the head is tied to "
+            f"the token embedding, one tensor held by the first and the last stage "
+            f"(stage.tied), and each stage has only its own part of its gradient; sum the two "
+            f"between those stages after the backwards, so that both copies take one process's "
+            f"step")
+    own = [b for b in bad if b[1] not in TIED] or bad  # a tied copy shows the other's error
+    s, n, g, w = max(own, key=lambda b: b[0])
+    later = f", while stages {s + 1} and after match" if s + 1 < len(members) else ""
+    if g is not None and w is not None and g.shape == w.shape and torch.allclose(
+            g, m * w, rtol=RTOL, atol=ATOL) and m > 1:
+        raise AssertionError(f"{what}: stage {s}'s {n} is {m} times one process's gradient: "
+                             f"scale each micro-batch's loss by its share of the batch, "
+                             f"rows_i / B")
+    loss = ranks[members[-1]]["losses"][0]
+    forward = isinstance(loss, float) and abs(loss - first_loss) <= ATOL + RTOL * abs(first_loss)
+    expect_close(g if g is not None else torch.zeros_like(w), w,
+                 f"{what}: stage {s}'s gradients after the first step differ from one "
+                 f"process's{later}" + (
+                     f"; the loss is right, so the forward is, and {MIXUP}" if forward else "")
+                 + f". {n}", RTOL, ATOL)
+
+
+# ---------------------------------------------------------------------------- tests
+# In the order of their world sizes, 2 then 4: the warm ranks of one size serve its tests
+# (a new size starts new ranks, each importing the notebook's module: seconds). Three
+# stages run inside a group of 4 ranks.
+
+
+def test_gpipe_on_2_stages(student):
+    check_training(student, "gpipe", 2, *RUNS["gpipe"][2])
+
+
+def test_1f1b_on_2_stages(student):
+    check_training(student, "1f1b", 2, *RUNS["1f1b"][2])
+
+
+def test_one_micro_batch(student):
+    """GPipe with m = 1: stage 0 sends its activation and then waits for a gradient, where
+    NCCL's lazy connection setup needs both sides' first groups to agree."""
+    check_training(student, "gpipe", 2, 1, 4)
+
+
+def test_a_batch_smaller_than_m_raises_value_error(student):
+    ranks = launch.run(errors, 2, student.run_stage, backend="gloo", timeout=TIMEOUT / 2)
+    for case, got in ranks[0].items():
+        assert got == "ValueError", (f"run_stage on 2 stages with {case}: {got}; raise "
+                                     f"ValueError on every stage, before any transfer")
+
+
+def test_gpipe_on_4_stages(student):
+    check_training(student, "gpipe", 4, *RUNS["gpipe"][4])
+
+
+def test_1f1b_on_4_stages(student):
+    check_training(student, "1f1b", 4, *RUNS["1f1b"][4])
+
+
+def test_micro_batches_of_unequal_sizes(student):
+    """7 rows in 3 micro-batches: 3, 2 and 2 rows."""
+    check_training(student, "1f1b", 4, 3, 7)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_3_stages_inside_a_group(student, schedule):
+    """Global ranks 1, 2 and 3 of 4 are a pipeline of three (stage s is group rank s,
+    global rank s + 1); rank 0 is outside it."""
+    check_training(student, schedule, 3, 4, 8, members=(1, 2, 3), world=4)

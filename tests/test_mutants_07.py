@@ -1,0 +1,104 @@
+"""Lab 07's core exercise, run_stage, graded on the wrong answers a student would
+plausibly write: each must lose points, with a first failing check that names the
+mistake (not just "values differ").
+
+Each mutant is the solution's cell with a few lines changed. All are graded once, by
+the real grader (``runner.grade(path, only=["run_stage"])``), two at a time: the
+deadlocking one spends most of its run waiting for its launch's time limit.
+"""
+import concurrent.futures
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from distlab.grading import notebook, runner
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB, NAME = "07_pipeline_parallel", "run_stage"
+
+_ONE_GROUP = """        ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[k], group) for t, k in sends]
+        ops += [dist.P2POp(dist.irecv, b, ranks[k], group) for b, k in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()"""
+
+# name -> [(solution text, mutant text)]
+MUTANTS = {
+    # each send and each receive a group of its own, sends first: both neighbours wait in
+    # their sends (gloo's sends wait for their receive too, so it hangs there as well)
+    "separate_groups": [(_ONE_GROUP, """        for t, k in sends:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t.contiguous(), ranks[k], group)]):
+                work.wait()
+        for b, k in recvs:
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, b, ranks[k], group)]):
+                work.wait()""")],
+    # plain isend/irecv, sends waited at the end: runs on gloo, would hang on NCCL
+    "unbatched": [(_ONE_GROUP, """        pending.extend(dist.isend(t.contiguous(), ranks[k], group) for t, k in sends)
+        for b, k in recvs:
+            dist.irecv(b, ranks[k], group).wait()"""),
+                  ("    def exchange(sends, recvs):", "    pending = []\n\n    def exchange(sends, recvs):"),
+                  ("    return total if s == p - 1 else None",
+                   "    for work in pending:\n        work.wait()\n    return total if s == p - 1 else None")],
+    # each micro-batch's mean loss backpropagated as it is: gradients m times too large
+    "unscaled": [(" * (rows[i] / batch)", "")],
+    # the saved activations as a stack: 1F1B's backward then takes another micro-batch's
+    "stack": [("    saved, total = {}, torch.zeros(", "    saved, total = [], torch.zeros("),
+              ("            saved[i] = (x, out)", "            saved.append((x, out))"),
+              ("            x, out = saved.pop(i)", "            x, out = saved.pop()")],
+    # the tied embedding's two copies never exchange their gradients
+    "untied": [("    for name, holders in sorted(stage.tied.items()):", "    for name, holders in []:")],
+    # every receive buffer B // m rows: wrong when m does not divide the batch
+    "floor_rows": [("received[kind, i] = torch.empty(rows[i], seq,",
+                    "received[kind, i] = torch.empty(batch // m, seq,")],
+}
+
+# name -> (verdict, what its first failing check must say)
+EXPECTED = {
+    "separate_groups": ("deadlock", ["deadlock", "waiting in wait for isend"]),
+    "unbatched": ("partial", ["would deadlock on NCCL", "is stuck in", "posts only later"]),
+    "unscaled": ("partial", ["SUM of the 3 micro-batches' mean losses", "rows_i / B"]),
+    "stack": ("partial", ["1F1B", "another micro-batch's stored output",
+                          "saved under i"]),
+    "untied": ("partial", ["tied to the token embedding", "stage 0's tok_emb.weight",
+                           "stage 1's head.weight"]),
+    "floor_rows": ("partial", ["test_micro_batches_of_unequal_sizes", "larger than the buffer",
+                               "3, 2, 2 rows"]),
+}
+
+
+def _mutant(folder: Path, name: str) -> Path:
+    nb = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells if notebook.grade_id(c) == NAME]
+    for old, new in MUTANTS[name]:
+        assert cell.source.count(old) == 1, (
+            f"the solution of {NAME} changed: mutant {name} no longer finds {old!r}")
+        cell.source = cell.source.replace(old, new)
+    path = folder / name / f"{LAB}.ipynb"
+    path.parent.mkdir()
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mutants_07")
+    paths = {name: _mutant(folder, name) for name in MUTANTS}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        runs = {name: pool.submit(runner.grade, path, only=[NAME]) for name, path in paths.items()}
+        return {name: run.result() for name, run in runs.items()}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_a_mutant_fails_and_its_mistake_is_named(results, name):
+    (r,) = results[name]
+    verdict, says = EXPECTED[name]
+    assert r.exercise == NAME and r.points < r.max_points == 9, r
+    assert r.verdict == verdict, r
+    for words in says:
+        assert words in r.message, f"{name}: {words!r} not in {r.message!r}"
+
+
+def test_the_deadlock_is_reported_within_a_launch_timeout(results):
+    (r,) = results["separate_groups"]
+    assert r.seconds < 120, f"the deadlocking answer took {r.seconds:.0f} s to grade"
