@@ -457,7 +457,7 @@ def test_clear_errors(root, one):
 
 
 def test_rects_cover_a_flat_range_exactly():
-    from distlab.checkpoint import _flat_range
+    from distlab.checkpoint.layouts import _flat_range
 
     for shape in [(7, 5), (3, 4, 5), (13,)]:
         n = torch.Size(shape).numel()
@@ -477,7 +477,7 @@ def test_commit_moves_the_pointer_last(tmp_path, monkeypatch):
     """Group rank 0's part of a save, without ranks: a directory without .metadata is never
     committed; the pointer moves only after the rename; a step saved twice gets a new name;
     ``keep`` and abandoned directories."""
-    from distlab.checkpoint import _commit
+    from distlab.checkpoint.commit import _commit
 
     def written(step):
         tmp = tmp_path / f"step-{step}.tmp-{step:04x}"
