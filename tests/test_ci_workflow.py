@@ -75,5 +75,5 @@ def test_the_gpu_workflow_runs_the_gpu_tiers_on_a_self_hosted_runner():
     assert {"self-hosted", "gpu"} <= set(job["runs-on"])
     assert job["env"]["NCCL_NVLS_ENABLE"] == "0"
     runs = " ".join(s.get("run", "") for s in job["steps"])
-    for command in ('-m "gpu or multigpu" tests', "distlab.grade solutions/", "make nbval"):
+    for command in ('-m "gpu or multigpu" tests', "distlab.grading solutions/", "make nbval"):
         assert command in runs, f"the GPU job does not run {command}"
