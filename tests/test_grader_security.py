@@ -288,6 +288,9 @@ def probe():
     found["solutions"] = sorted(os.listdir(os.path.join(kit, "solutions")))
     found["git"] = sorted(os.listdir(os.path.join(kit, ".git"))) if os.path.isdir(
         os.path.join(kit, ".git")) else []
+    import distlab.grading
+    exercises = os.path.join(os.path.dirname(distlab.grading.__file__), "exercises")
+    found["exercises"] = sorted(os.listdir(exercises))
     return found
 '''
 _PROBE_TEST = '''NOTEBOOK = "00_setup"
@@ -299,6 +302,7 @@ def test_the_answers_cannot_be_read(student):
     assert not any("reduce_scatter_mean" in b for b in found["bytecode"]), "its .pyc was readable"
     assert found["solutions"] == [], f"solutions/ was readable: {found['solutions']}"
     assert found["git"] == [], "the kit's git history was readable"
+    assert found["exercises"] == [], f"the exercise tests were readable: {found['exercises']}"
 '''
 
 

@@ -237,7 +237,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir),
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
-        env.update(_hiding(Path(tmp), user))
+        env.update(_hiding(Path(tmp), user, tests_dir))
         env.update(_private_tmp(Path(tmp), tests_dir, user))
         first = True
         while first or to_run:
@@ -305,9 +305,10 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     return results
 
 
-def _hiding(tmp: Path, user: str) -> dict:
+def _hiding(tmp: Path, user: str, tests_dir: Path) -> dict:
     """The environment that makes graded ranks hide the library's answers' source files
-    (and the kit's solutions/ and git history) before they drop root: only where the
+    (and the kit's solutions/, git history and tests, the exercise tests among them, whose
+    cases could compute the expected values) before they drop root: only where the
     grader is root and can make namespaces (see :func:`distlab.runtime.privileges.hide_sources`)."""
     from distlab.grading import labs, sandbox
 
@@ -319,8 +320,10 @@ def _hiding(tmp: Path, user: str) -> dict:
     empty = tmp / "hidden"
     empty.mkdir(mode=0o555)
     kit = Path(__file__).resolve().parents[3]
-    # the kit's solutions, its git history and a build's copy of the library hold the answers
-    paths = [str(p) for p in (kit / "solutions", kit / ".git", kit / "build") if p.is_dir()]
+    # the kit's solutions, its git history and a build's copy of the library hold the
+    # answers; the tests hold the expected values (the ranks get the tests' helpers by value)
+    paths = [str(p) for p in (kit / "solutions", kit / ".git", kit / "build", kit / "tests",
+                              labs.TESTS, tests_dir) if p.is_dir()]
     return {"DISTLAB_SANDBOX_HIDE": json.dumps({"modules": labs.hidden_modules(), "paths": paths,
                                                 "stub": str(stub), "empty": str(empty)})}
 
@@ -333,8 +336,8 @@ def _private_tmp(tmp: Path, tests_dir: Path, user: str) -> dict:
 
     if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
         return {}
-    keep = [str(tmp), str(tests_dir), *os.environ.get("PYTHONPATH", "").split(os.pathsep),
-            *sys.path]
+    keep = [str(tmp), str(tests_dir), sys.prefix, sys.exec_prefix,  # a venv under /tmp too
+            *os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
     return {"DISTLAB_PRIVATE_TMP": os.pathsep.join(k for k in keep if k)}
 
 
