@@ -3,9 +3,9 @@ exercise ``vocab_parallel_cross_entropy`` each fail with a message that names th
 
 Each mutant is the solution's cell with one plausible change, graded as a student's
 notebook would be (``runner.grade(path, only=[EXERCISE])``): one grade run per mutant,
-since the grader reports an exercise's first failing check only, two runs at a time.
+since the grader reports an exercise's first failing check only, each stopped at that
+check (``first_failure=True``), one after the other.
 """
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -82,14 +82,12 @@ def _mutant(tmp_path: Path, name: str, change) -> Path:
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    """Every mutant graded, two grade runs at a time (each is its own contained pytest
-    process)."""
+    """Every mutant graded, one after the other, each up to its first failing check
+    (each run is its own contained pytest process)."""
     tmp = tmp_path_factory.mktemp("mutants")
     paths = {name: _mutant(tmp, name, change) for name, change, *_ in MUTANTS}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(runner.grade, path, only=[EXERCISE])
-                   for name, path in paths.items()}
-        return {name: future.result()[0] for name, future in futures.items()}
+    return {name: runner.grade(path, only=[EXERCISE], first_failure=True)[0]
+            for name, path in paths.items()}
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],

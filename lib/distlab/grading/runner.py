@@ -191,7 +191,8 @@ def memory_limit_mb() -> int:
 
 
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
-          only: list[str] | None = None, memory_mb: int | None = None) -> list[Result]:
+          only: list[str] | None = None, memory_mb: int | None = None,
+          first_failure: bool = False) -> list[Result]:
     """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
     the file name, its exercises by the tests of ``tests_dir`` that declare it,
     :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest
@@ -199,7 +200,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     seconds (reruns for the exercises a stopped run never reached), each graded rank's
     data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
     is missing scores 0 of its tests; an exercise cell of another lab is reported as
-    ignored; a notebook whose name is no lab's gets one "error" row and nothing else."""
+    ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
+    ``first_failure``: stop at the first failing test (the message a student reads first;
+    the tests after it count as not run), as the kit's tests of wrong answers grade."""
     import nbformat
 
     from distlab.grading import labs, notebook
@@ -247,7 +250,8 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
             start = time.monotonic()
             code, out, got, stopped = _run_reported(
                 [f"--distlab-untouched={','.join(sorted(counted_only))}",
-                 f"--distlab-exercise-timeout={timeout}", *map(str, files_now)],
+                 f"--distlab-exercise-timeout={timeout}",
+                 *(["--maxfail=1"] if first_failure else []), *map(str, files_now)],
                 env, timeout * max(len(to_run), 1) + 120, tests_dir, timeout)
             seconds += time.monotonic() - start
             records += got
