@@ -421,6 +421,9 @@ def main(argv=None) -> int:
         last = results[0][-1] if results[0] else None
         if last is not None:
             print(f"done: {args.steps} steps on {world} rank(s), final loss {last['loss']:.4f}")
+    if dist.is_initialized():  # under torchrun: leave the group together, before teardown
+        dist.barrier()         # (a rank that exits first breaks the others' gloo pairs)
+        dist.destroy_process_group()
     return 0
 
 
