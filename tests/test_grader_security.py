@@ -26,31 +26,13 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from pid_guard import SITECUSTOMIZE as _GUARD
+
 from distlab.grading import labs, notebook, runner, sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only a root grader changes user")
 
-_GUARD = """
-import os
-
-_log = os.environ.get("DISTLAB_GUARD_LOG")
-
-
-def _guarded(name, real):
-    def call(pid, sig, *rest):
-        if pid <= 1:
-            with open(_log, "a") as f:
-                f.write(f"{name}({pid}, {sig}) from pid {os.getpid()}\\n")
-            raise PermissionError(f"guard: refused {name}({pid}, {sig})")
-        return real(pid, sig, *rest)
-    return call
-
-
-if _log:
-    os.kill = _guarded("kill", os.kill)
-    os.killpg = _guarded("killpg", os.killpg)
-"""
 
 _DRIVER = """
 import dataclasses, json, sys

@@ -17,32 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pid_guard import SITECUSTOMIZE as _GUARD
+
 from distlab import launch
 from distlab.comm import StatusBoard
 from distlab.grading import sandbox
 from distlab.runtime import pool as pool_module
 from distlab.runtime.forkserver import ForkServer, ForkServerError
 
-_GUARD = """
-import os
-
-_log = os.environ.get("DISTLAB_GUARD_LOG")
-
-
-def _guarded(name, real):
-    def call(pid, sig, *rest):
-        if pid <= 1:
-            with open(_log, "a") as f:
-                f.write(f"{name}({pid}, {sig}) from pid {os.getpid()}\\n")
-            raise PermissionError(f"guard: refused {name}({pid}, {sig})")
-        return real(pid, sig, *rest)
-    return call
-
-
-if _log:
-    os.kill = _guarded("kill", os.kill)
-    os.killpg = _guarded("killpg", os.killpg)
-"""
 
 _TRIAL = """
 import sys, threading, time, _thread, os
