@@ -228,11 +228,13 @@ def check_own_answer(fn, name, cases=CASES):
 # ------------------------------------------------------- executing a table for real
 
 
-def sgd(module):
+def sgd(module, lr=None):
+    """One SGD step of ``module`` (``lr``: default the cases' LR), gradients cleared."""
+    lr = LR if lr is None else lr
     with torch.no_grad():
         for p in module.parameters():
             if p.grad is not None:
-                p -= LR * p.grad
+                p -= lr * p.grad
                 p.grad = None
 
 

@@ -34,7 +34,7 @@ from distlab.collectives.p2p_check import nccl_deadlock
 from distlab.comm import CommLog
 from distlab.grading import expect_close
 from distlab.model import GPT
-from pp_cases import CFG, LANG, SEQ
+from pp_cases import CFG, LANG, SEQ, sgd
 
 NOTEBOOK = "07_pipeline_parallel"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
@@ -55,14 +55,6 @@ def make_model():
     model.get_parameter(FROZEN).requires_grad_(False)
     model.blocks[1].unused = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     return model
-
-
-def sgd(module):
-    with torch.no_grad():
-        for p in module.parameters():
-            if p.grad is not None:
-                p -= LR * p.grad
-                p.grad = None
 
 
 def named(module):
@@ -93,7 +85,7 @@ def train(run_stage, schedule, m, batch, members=None):
             if grads is None:
                 grads = {n: None if t.grad is None else t.grad.detach().clone()
                          for n, t in named(stage.module)}
-            sgd(stage)
+            sgd(stage, LR)
     params = {n: t.detach().clone() for n, t in named(stage.module)}
     return {"member": rank in members, "losses": losses, "grads": grads, "params": params,
             "untouched": all(torch.equal(params[n], before[n]) for n in params),
@@ -144,7 +136,7 @@ def one_process(batch, m):
         if step == 0:
             grads = {n: t.grad.clone() for n, t in named(model) if t.grad is not None}
         losses.append(loss.item())
-        sgd(model)
+        sgd(model, LR)
     return losses, grads, {n: t.detach().clone() for n, t in named(model)}
 
 
