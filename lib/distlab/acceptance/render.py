@@ -49,6 +49,7 @@ def render_result(result: dict) -> str:
 
 def load(results: Path) -> list[dict]:
     """The results in ``results``, in the registry's order, then any others by name."""
+    from distlab.acceptance import checks  # noqa: F401  (the checks register on import)
     from distlab.acceptance.registry import REGISTRY
 
     found = {}
