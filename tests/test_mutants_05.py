@@ -7,27 +7,11 @@ notebook would be (``runner.grade(path, only=["ZeRO3Unit"], first_failure=True)`
 share a run), one after the other (``ast.parse``, which the grader calls, is not
 thread-safe in CPython 3.11).
 """
-from pathlib import Path
-
-import nbformat
 import pytest
 
-from distlab.grading import notebook, runner
+from mutants import grade_mutants
 
-ROOT = Path(__file__).resolve().parents[1]
 EXERCISE = "ZeRO3Unit"
-
-
-def _solution_cell() -> str:
-    nb = nbformat.read(ROOT / "solutions" / "05_zero.ipynb", as_version=4)
-    return notebook.exercises(nb)[EXERCISE]
-
-
-def _replace(source: str, *pairs: tuple[str, str]) -> str:
-    for old, new in pairs:
-        assert source.count(old) == 1, f"the solution changed: {old!r} is not in it once"
-        source = source.replace(old, new)
-    return source
 
 
 NOT_FREED = ((
@@ -80,25 +64,12 @@ MUTANTS = [
 ]
 
 
-def _mutant(tmp_path: Path, name: str, change) -> Path:
-    nb = nbformat.read(ROOT / "solutions" / "05_zero.ipynb", as_version=4)
-    for cell in nb.cells:
-        if notebook.grade_id(cell) == EXERCISE:
-            cell.source = _replace(cell.source, *change)
-    folder = tmp_path / name.replace(" ", "_").replace("/", "_")
-    folder.mkdir()
-    nbformat.write(nb, folder / "05_zero.ipynb")
-    return folder / "05_zero.ipynb"
-
-
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     """Every mutant graded, one after the other, each up to its first failing check
     (each run is its own contained pytest process)."""
-    tmp = tmp_path_factory.mktemp("mutants")
-    paths = {name: _mutant(tmp, name, change) for name, change, *_ in MUTANTS}
-    return {name: runner.grade(path, only=[EXERCISE], first_failure=True)[0]
-            for name, path in paths.items()}
+    return grade_mutants(tmp_path_factory.mktemp("mutants"), "05_zero", EXERCISE,
+                         {name: change for name, change, *_ in MUTANTS})
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],

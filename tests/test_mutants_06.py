@@ -6,14 +6,10 @@ notebook would be (``runner.grade(path, only=[EXERCISE])``): one grade run per m
 since the grader reports an exercise's first failing check only, each stopped at that
 check (``first_failure=True``), one after the other.
 """
-from pathlib import Path
-
-import nbformat
 import pytest
 
-from distlab.grading import notebook, runner
+from mutants import grade_mutants
 
-ROOT = Path(__file__).resolve().parents[1]
 LAB, EXERCISE = "06_tensor_parallel", "vocab_parallel_cross_entropy"
 
 NO_MAX = ((
@@ -62,32 +58,12 @@ MUTANTS = [
 ]
 
 
-def _replace(source: str, *pairs: tuple[str, str]) -> str:
-    for old, new in pairs:
-        assert source.count(old) == 1, f"the solution changed: {old!r} is not in it once"
-        source = source.replace(old, new)
-    return source
-
-
-def _mutant(tmp_path: Path, name: str, change) -> Path:
-    nb = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
-    for cell in nb.cells:
-        if notebook.grade_id(cell) == EXERCISE:
-            cell.source = _replace(cell.source, *change)
-    folder = tmp_path / name.replace(" ", "_").replace("/", "_").replace("'", "")
-    folder.mkdir()
-    nbformat.write(nb, folder / f"{LAB}.ipynb")
-    return folder / f"{LAB}.ipynb"
-
-
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     """Every mutant graded, one after the other, each up to its first failing check
     (each run is its own contained pytest process)."""
-    tmp = tmp_path_factory.mktemp("mutants")
-    paths = {name: _mutant(tmp, name, change) for name, change, *_ in MUTANTS}
-    return {name: runner.grade(path, only=[EXERCISE], first_failure=True)[0]
-            for name, path in paths.items()}
+    return grade_mutants(tmp_path_factory.mktemp("mutants"), LAB, EXERCISE,
+                         {name: change for name, change, *_ in MUTANTS})
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],

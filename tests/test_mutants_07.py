@@ -7,14 +7,10 @@ the real grader (``runner.grade(path, only=["run_stage"], first_failure=True)``)
 after the other, each stopped at its first failing check: the deadlocking one spends most
 of its run waiting for its launch's time limit.
 """
-from pathlib import Path
-
-import nbformat
 import pytest
 
-from distlab.grading import notebook, runner
+from mutants import grade_mutants
 
-ROOT = Path(__file__).resolve().parents[1]
 LAB, NAME = "07_pipeline_parallel", "run_stage"
 
 _ONE_GROUP = """        ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[k], group) for t, k in sends]
@@ -67,30 +63,14 @@ EXPECTED = {
 }
 
 
-def _mutant(folder: Path, name: str) -> Path:
-    nb = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
-    (cell,) = [c for c in nb.cells if notebook.grade_id(c) == NAME]
-    for old, new in MUTANTS[name]:
-        assert cell.source.count(old) == 1, (
-            f"the solution of {NAME} changed: mutant {name} no longer finds {old!r}")
-        cell.source = cell.source.replace(old, new)
-    path = folder / name / f"{LAB}.ipynb"
-    path.parent.mkdir()
-    nbformat.write(nb, path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mutants_07")
-    paths = {name: _mutant(folder, name) for name in MUTANTS}
-    return {name: runner.grade(path, only=[NAME], first_failure=True)
-            for name, path in paths.items()}
+    return grade_mutants(tmp_path_factory.mktemp("mutants_07"), LAB, NAME, MUTANTS)
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    (r,) = results[name]
+    r = results[name]
     verdict, says = EXPECTED[name]
     assert r.exercise == NAME and r.points < r.max_points == 9, r
     assert r.verdict == verdict, r
@@ -99,5 +79,5 @@ def test_a_mutant_fails_and_its_mistake_is_named(results, name):
 
 
 def test_the_deadlock_is_reported_within_a_launch_timeout(results):
-    (r,) = results["separate_groups"]
+    r = results["separate_groups"]
     assert r.seconds < 120, f"the deadlocking answer took {r.seconds:.0f} s to grade"

@@ -1,0 +1,31 @@
+"""Wrong answers graded as a student's would be: the solution notebook with its exercise
+cell changed, through the real grader up to the first failing check (the message a
+student reads first). Shared by tests/test_mutants_*.py."""
+from pathlib import Path
+
+import nbformat
+
+from distlab.grading import notebook, runner
+
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
+
+
+def grade_mutants(folder: Path, lab: str, exercise: str, changes: dict) -> dict:
+    """Mutant name → its :class:`~distlab.grading.runner.Result`. ``changes`` maps each
+    name to the ``(old, new)`` replacements of the solution's cell; each ``old`` must
+    stand in it exactly once. Graded one after the other: ``ast.parse``, which the
+    grader calls, is not thread-safe in CPython 3.11."""
+    solution = SOLUTIONS / f"{lab}.ipynb"
+    results = {}
+    for i, (name, pairs) in enumerate(changes.items()):
+        nb = nbformat.read(solution, as_version=4)
+        (cell,) = [c for c in nb.cells if notebook.grade_id(c) == exercise]
+        for old, new in pairs:
+            assert cell.source.count(old) == 1, (
+                f"the solution of {exercise} changed: mutant {name!r} no longer finds {old!r}")
+            cell.source = cell.source.replace(old, new)
+        path = folder / f"mutant{i}" / f"{lab}.ipynb"
+        path.parent.mkdir()
+        nbformat.write(nb, path)
+        (results[name],) = runner.grade(path, only=[exercise], first_failure=True)
+    return results
