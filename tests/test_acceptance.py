@@ -171,3 +171,24 @@ def test_the_readme_block_is_the_render_of_docs_results():
     assert block.strip() == render.render(ROOT / "docs" / "results").strip(), (
         "README.md's acceptance block is not the render of docs/results/: run "
         "python -m distlab.acceptance render --readme README.md")
+
+
+def test_show_displays_a_result_or_what_to_run(tmp_path, monkeypatch):
+    """Notebooks' GPU sections: the committed result's table with its provenance, or the
+    command that makes one; an unknown check is an error naming the checks."""
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj.data))
+    (tmp_path / "ring.json").write_text(json.dumps(
+        _result("ring", "pass", [["1 GiB", 0.97]], "2026-12-01T21:05:00+00:00")))
+    got = render.show("ring", tmp_path)
+    assert got["status"] == "pass" and "| 1 GiB | 0.970 |" in shown[-1]
+    assert "2026-12-01T21:05:00" in shown[-1] and "`aaaaaaaaaaaa`" in shown[-1]
+    assert render.show("pp", tmp_path) is None and render.result("pp", tmp_path) is None
+    assert "no result yet" in shown[-1] and "--only pp" in shown[-1] and "2 GPUs" in shown[-1]
+    (tmp_path / "tp.json").write_text(json.dumps({"check": "ring"}))  # another check's file
+    assert render.result("tp", tmp_path) is None
+    with pytest.raises(ValueError, match="no acceptance check named 'rnig'.*ring"):
+        render.show("rnig", tmp_path)
+    assert render.RESULTS == ROOT / "docs" / "results"

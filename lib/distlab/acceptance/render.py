@@ -1,7 +1,8 @@
 """Results as markdown: one small table per ``<check>.json`` with its verdict, goal,
 date, hardware and commit, and a line naming the checks that have no result; and the
 README's block between the markers rewritten with it, so that no GPU figure in the
-README is typed by hand or outlives the results it came from."""
+README is typed by hand or outlives the results it came from; and, for the notebooks'
+GPU sections, :func:`show` (one check's table, or what to run to get it)."""
 from __future__ import annotations
 
 import json
@@ -92,3 +93,40 @@ def block_of(text: str) -> str | None:
     if start < 0 or end < start:
         return None
     return text[start + len(BEGIN):end]
+
+
+RESULTS = Path(__file__).resolve().parents[3] / "docs" / "results"  # a checkout's committed results
+
+
+def result(check: str, results: Path = RESULTS) -> dict | None:
+    """The committed result of ``check`` (``docs/results/<check>.json``), or None."""
+    path = Path(results) / f"{check}.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) and data.get("check") == check else None
+
+
+def show(check: str, results: Path = RESULTS):
+    """Display ``check``'s committed result as markdown in a notebook (its verdict, goal,
+    date, hardware, versions, commit and table), or, without one, what to run to get it;
+    returns the result (None without one), for cells that compute from its figures."""
+    from IPython.display import Markdown, display
+
+    from distlab.acceptance import checks  # noqa: F401  (the checks register on import)
+    from distlab.acceptance.registry import REGISTRY
+
+    if check not in REGISTRY:
+        raise ValueError(f"no acceptance check named {check!r}; the checks: "
+                         f"{', '.join(REGISTRY)}")
+    found = result(check, results)
+    if found is not None:
+        display(Markdown(render_result(found)))
+        return found
+    needs = REGISTRY[check].gpus
+    display(Markdown(
+        f"#### `{check}`: no result yet\n\nGoal: {REGISTRY[check].goal}.\n\nNo run of this "
+        f"check is committed in `docs/results/`. On a machine with {needs} GPU"
+        f"{'s' * (needs > 1)}: `python -m distlab.acceptance --only {check} --out docs/results`, "
+        f"then re-run this cell."))
+    return None
