@@ -1,0 +1,172 @@
+"""Planning a run: which (dp, tp, pp) layouts of a dense GPT fit a cluster, and what each
+costs per step, from the formulas of labs 05-07.
+
+    plan = Plan(Model(layers=126, d_model=16384, heads=128, vocab=128256), seq_len=8192,
+                global_batch=2048, gpus=16384, gpu_bytes=80e9, peak_flops=989.4e12,
+                intra_bw=370e9, inter_bw=50e9)
+    layouts(plan)        # every layout, fitting or not, with its memory and times
+    suggest(plan)        # the fitting layout with the shortest estimated step
+
+Per GPU and per step, for a layout with ``t`` TP ranks (inside a node), ``p`` stages
+and ``d = gpus / (t p)`` DP ranks, ``m = B / (d b)`` micro-batches of ``b`` sequences:
+
+* **model states**: ZeRO's bytes (Rajbhandari et al. 2020; :func:`distlab.zero.memory.zero_bytes`)
+  for the ``Ψ / (t p)`` parameters of one stage's TP shard, over ``d`` ranks, at the
+  lowest ZeRO stage that fits;
+* **activations**: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models", eq. 2) per layer and micro-batch, ``s b h (10 + 24/t + 5 a s/(h t))``
+  bytes, times the ``L`` layers' worth that 1F1B's first stage holds (``p`` micro-batches
+  of ``L/p`` layers, lab 07); with full recomputation ``2 s b h`` per layer;
+* **TP**: 4 all-reduces of ``2 s b h`` bytes per layer and micro-batch (Megatron's f and g,
+  forward and backward, lab 06) at the intra-node bandwidth;
+* **PP**: one activation forward and one gradient back per micro-batch per boundary,
+  on the network;
+* **DP**: a reduce-scatter and an all-gather of the stage's bf16 weights (ZeRO-3: a
+  second all-gather, for backward), on the network; hidden under backward where it fits;
+* **bubble**: ``(p - 1)/(m + p - 1)`` (:func:`distlab.pp.bubble_fraction`);
+* **compute**: ``6 Ψ`` FLOPs per token (lab 04) at ``mfu`` of the peak.
+
+Collectives cost ``bus_factor(op, n) · bytes / bandwidth`` (:func:`distlab.comm.bus_factor`:
+the ring's ``2(n-1)/n`` for an all-reduce, ``(n-1)/n`` for the others). Outside the model:
+mixture-of-experts layers (expert parallelism), context parallelism (a sequence split
+over GPUs), sequence parallelism, interleaved stages, and a network's topology.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from distlab.comm import bus_factor
+from distlab.pp.schedule import bubble_fraction
+from distlab.zero.memory import zero_bytes
+
+__all__ = ["Model", "Plan", "Layout", "layouts", "suggest", "divisors"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A dense GPT's shape; ``params`` defaults to 12 L h² + V h (blocks and embedding)."""
+
+    layers: int
+    d_model: int
+    heads: int
+    vocab: int
+    params: float | None = None
+
+    @property
+    def num_params(self) -> float:
+        if self.params is not None:
+            return self.params
+        return 12 * self.layers * self.d_model ** 2 + self.vocab * self.d_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run to plan: the model, ``global_batch`` sequences of ``seq_len`` tokens per step,
+    ``gpus`` GPUs of ``gpu_bytes`` memory, ``gpus_per_node`` to a node; bandwidths in
+    bytes/s (bus bandwidth of an all-reduce inside a node; one GPU's share of the network)."""
+
+    model: Model
+    seq_len: int
+    global_batch: int
+    gpus: int
+    gpu_bytes: float
+    peak_flops: float
+    intra_bw: float
+    inter_bw: float
+    gpus_per_node: int = 8
+    micro_batch: int = 1
+    mfu: float = 0.4
+    recompute: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One layout's estimate: sizes, ZeRO stage (None: nothing fits), bytes per GPU and
+    seconds per step."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int
+    zero_stage: int | None
+    state_bytes: float
+    activation_bytes: float
+    compute_s: float
+    tp_s: float
+    pp_s: float
+    dp_s: float
+    bubble: float
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.state_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.zero_stage is not None
+
+    @property
+    def step_s(self) -> float:
+        """Compute stretched by the bubble, plus TP and PP transfers (on the critical
+        path), plus whatever DP traffic backward (2/3 of the compute) cannot hide."""
+        busy = (self.compute_s + self.tp_s + self.pp_s) / (1 - self.bubble)
+        return busy + max(0.0, self.dp_s - 2 / 3 * self.compute_s)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def activation_bytes(plan: Plan, tp: int) -> float:
+    """Activations 1F1B's first stage holds, per GPU (Korthikanti et al. 2022, eq. 2,
+    bf16, no sequence parallelism)."""
+    s, b, h, a = plan.seq_len, plan.micro_batch, plan.model.d_model, plan.model.heads
+    per_layer = 2 * s * b * h if plan.recompute else s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    return plan.model.layers * per_layer
+
+
+def estimate(plan: Plan, dp: int, tp: int, pp: int) -> Layout:
+    """One layout's memory and times (see the module)."""
+    model, psi = plan.model, plan.model.num_params
+    m = plan.global_batch // (dp * plan.micro_batch)
+    local = psi / (tp * pp)
+    act = activation_bytes(plan, tp)
+    stage, states = None, zero_bytes(local, dp, 1)
+    for z in (1, 2, 3):
+        if zero_bytes(local, dp, z) + act <= plan.gpu_bytes:
+            stage, states = z, zero_bytes(local, dp, z)
+            break
+    tokens = plan.global_batch * plan.seq_len
+    compute = 6 * psi * tokens / (plan.gpus * plan.peak_flops * plan.mfu)
+    message = 2 * plan.seq_len * plan.micro_batch * model.d_model         # bf16 activations
+    tp_s = 0.0 if tp == 1 else (4 * model.layers / pp * m * bus_factor("all_reduce", tp)
+                                * message / plan.intra_bw)
+    pp_s = 0.0 if pp == 1 else 2 * m * message / plan.inter_bw
+    passes = 3 if stage == 3 else 2
+    dp_s = 0.0 if dp == 1 else (passes * bus_factor("all_gather", dp) * 2 * local
+                                / plan.inter_bw)
+    return Layout(dp, tp, pp, m, stage, states, act, compute, tp_s, pp_s, dp_s,
+                  bubble_fraction(pp, m) if m >= 1 else 1.0)
+
+
+def layouts(plan: Plan) -> list[Layout]:
+    """Every layout whose sizes are whole: tp dividing the heads and at most a node, pp
+    dividing the layers, dp a divisor of the rest with at least one micro-batch."""
+    out = []
+    for tp in divisors(plan.gpus_per_node):
+        if plan.model.heads % tp or plan.gpus % tp:
+            continue
+        for pp in divisors(plan.gpus // tp):
+            if pp > plan.model.layers:
+                continue
+            dp = plan.gpus // (tp * pp)
+            if plan.global_batch < dp * plan.micro_batch:
+                continue
+            out.append(estimate(plan, dp, tp, pp))
+    return out
+
+
+def suggest(plan: Plan) -> Layout | None:
+    """The fitting layout with the shortest estimated step (None when none fits)."""
+    fitting = [lay for lay in layouts(plan) if lay.fits]
+    return min(fitting, key=lambda lay: lay.step_s, default=None)

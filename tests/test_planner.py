@@ -1,0 +1,65 @@
+"""distlab.planner: the layouts of a run, their memory and step time, from labs 05-07's
+formulas; and the widget's table."""
+import dataclasses
+
+import pytest
+
+from distlab.comm import bus_factor
+from distlab.planner import Model, Plan, estimate, layouts, suggest
+from distlab.pp import bubble_fraction
+from distlab.zero.memory import zero_bytes
+
+ONE_T = Plan(Model(layers=128, d_model=25600, heads=160, vocab=51200, params=1e12),
+             seq_len=2048, global_batch=1024, gpus=1024, gpu_bytes=80e9,
+             peak_flops=989.4e12, intra_bw=370e9, inter_bw=25e9, recompute=True)
+
+
+def test_pure_data_parallel_is_zero_and_the_formulas_of_the_labs():
+    lay = estimate(ONE_T, 1024, 1, 1)
+    assert lay.zero_stage == 3                       # 1T does not fit with ZeRO-1 or -2
+    assert lay.state_bytes == zero_bytes(1e12, 1024, 3) == 16e12 / 1024
+    assert lay.activation_bytes == 128 * 2 * 2048 * 25600      # 2 s b h per layer
+    assert lay.microbatches == 1 and lay.bubble == 0 and lay.tp_s == lay.pp_s == 0
+    # ZeRO-3: two all-gathers and a reduce-scatter of the bf16 weights per step
+    assert lay.dp_s == pytest.approx(3 * bus_factor("all_gather", 1024) * 2e12 / 25e9)
+    assert lay.dp_s > 2 / 3 * lay.compute_s          # the network, not memory, is the limit
+    assert lay.step_s == pytest.approx(lay.compute_s + lay.dp_s - 2 / 3 * lay.compute_s)
+
+
+def test_tensor_and_pipeline_terms():
+    lay = estimate(ONE_T, 16, 8, 8)
+    m = 1024 // 16
+    assert lay.microbatches == m and lay.bubble == bubble_fraction(8, m)
+    message = 2 * 2048 * 25600
+    assert lay.tp_s == pytest.approx(4 * 128 / 8 * m * bus_factor("all_reduce", 8) * message / 370e9)
+    assert lay.pp_s == pytest.approx(2 * m * message / 25e9)
+    assert lay.state_bytes == zero_bytes(1e12 / 64, 16, lay.zero_stage)
+
+
+def test_layouts_respect_the_node_the_heads_and_the_layers():
+    plan = dataclasses.replace(ONE_T, model=dataclasses.replace(ONE_T.model, heads=12, layers=6))
+    found = {(lay.dp, lay.tp, lay.pp) for lay in layouts(plan)}
+    assert all(12 % tp == 0 and tp <= 8 and pp <= 6 and dp * tp * pp == 1024
+               for dp, tp, pp in found)
+    assert (1024, 1, 1) in found and not any(tp == 8 for _, tp, _ in found)
+
+
+def test_suggest_is_the_fastest_that_fits_and_none_when_nothing_fits():
+    best = suggest(ONE_T)
+    fitting = [lay for lay in layouts(ONE_T) if lay.fits]
+    assert best in fitting and best.step_s == min(lay.step_s for lay in fitting)
+    assert suggest(dataclasses.replace(ONE_T, gpu_bytes=1e9)) is None
+    without = dataclasses.replace(ONE_T, recompute=False)
+    assert estimate(without, 1024, 1, 1).activation_bytes > estimate(ONE_T, 1024, 1, 1).activation_bytes
+
+
+def test_the_widget_table_lists_the_suggestion():
+    pytest.importorskip("ipywidgets")
+    from distlab.viz.planner import Planner, table_text
+
+    text = table_text(ONE_T)
+    best = suggest(ONE_T)
+    assert f"suggested: dp={best.dp}, tp={best.tp}, pp={best.pp}" in text
+    widget = Planner(ONE_T)
+    widget.inputs["gpu_bytes"].value = 1          # 1 GB: nothing fits
+    assert "none" in widget.out.value and "none" in repr(widget)
