@@ -453,14 +453,31 @@ def test_gantt_and_explorer_draw(tmp_path):
     assert bundle["image/png"].startswith(b"\x89PNG") and "PipelineExplorer" in bundle["text/plain"]
 
 
-def test_the_bench_runs_on_cpu(tmp_path, capsys):
+def test_the_bench_runs_on_cpu_beside_torchs_pipelining(tmp_path, capsys):
+    """The GPU bench's code path on 2 gloo ranks: ours and torch.distributed.pipelining
+    timed in the same run, their ratio judged against the goal."""
+    import json
+
     from distlab.bench import pp as pp_bench
 
-    pp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "13",
-                   "--batch-size", "4", "--seq-len", "8", "--dtype", "fp32",
-                   "--microbatches", "1,4", "--steps", "1", "--warmup", "0",
-                   "--backend", "gloo"])
+    assert pp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "13",
+                          "--batch-size", "4", "--seq-len", "8", "--dtype", "fp32",
+                          "--microbatches", "1,4", "--steps", "1", "--warmup", "0",
+                          "--backend", "gloo"]) == 0  # CPU timings never fail the goal
     out = capsys.readouterr().out
     assert "GPipe   4" in out and "1F1B   4" in out and "[4, 4]" in out and "[2, 1]" in out
     assert {p.name for p in tmp_path.iterdir()} == {"pp_bench.json", "pp_bubble.png",
                                                     "pp_gantt.png"}
+    rows = {(r["schedule"], r["m"]): r for r in json.loads(
+        (tmp_path / "pp_bench.json").read_text())["rows"]}
+    for key in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4)):
+        r = rows[key]
+        assert r["torch_error"] is None, r["torch_error"]
+        assert r["torch_step_ms"] > 0 and r["vs_torch"] == pytest.approx(
+            r["step_ms"] / r["torch_step_ms"])
+    assert rows[("1f1b", 1)]["vs_torch"] is None  # torch's Schedule1F1B refuses m < p
+    judged = [dict(rows[("gpipe", 4)], vs_torch=pp_bench.GOAL * 1.01),
+              dict(rows[("1f1b", 4)], vs_torch=pp_bench.GOAL * 0.99),
+              dict(rows[("1f1b", 1)], torch_error="TypeError: an API changed")]
+    misses = pp_bench.goal_misses(judged)
+    assert len(misses) == 2 and "GPipe, m = 4" in misses[0] and "API changed" in misses[1]

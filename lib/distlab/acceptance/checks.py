@@ -136,6 +136,7 @@ def tp(ctx: Context) -> Verdict:
 
 
 def pp(ctx: Context) -> Verdict:
+    from distlab.bench import pp as pp_bench
     from distlab.pp import TITLES
 
     misses = []
@@ -150,16 +151,25 @@ def pp(ctx: Context) -> Verdict:
         misses.append(f"no {test}: run the acceptance suite from a checkout of the kit")
     out = ctx.scratch / "pp"
     proc = ctx.python("-m", "distlab.bench.pp", "--stages", "2", "--out", out)
-    rows = _json(out / "pp_bench.json", proc)["rows"]
-    proc.check()
+    data = _json(out / "pp_bench.json", proc)
+    rows = data["rows"]
+    torch_misses = pp_bench.goal_misses(rows)
+    if proc.returncode != 0 and not torch_misses:
+        proc.check()
+    misses += torch_misses
     misses += [f"{TITLES[r['schedule']]}, m = {r['m']}: idle {r['idle']:.1%} against the formula's "
                f"{r['formula']:.1%}" for r in rows
                if r["m"] <= 2 and abs(r["idle"] - r["formula"]) > BUBBLE_TOLERANCE]
-    return Verdict(misses, {"rows": [{k: v for k, v in r.items() if k != "timeline"} for r in rows],
-                            "table": _table(
-        ["schedule", "m", "ms/step", "idle", "formula", "peak live per stage"],
-        [[TITLES[r["schedule"]], r["m"], r["step_ms"], r["idle"], r["formula"],
-          str(r["peak_live"])] for r in rows])})
+    ms = sorted({r["m"] for r in rows})
+    middle = ms[len(ms) // 2]  # the Gantt charts' (distlab.bench.pp.draw)
+    return Verdict(misses, {"title": data["title"], "rows": [
+        {k: v for k, v in r.items() if k != "timeline" or r["m"] == middle} for r in rows],
+        "table": _table(
+        ["schedule", "m", "ms/step", "torch ms/step", "ours / torch", "idle", "formula",
+         "peak live per stage", "peak GiB per stage"],
+        [[TITLES[r["schedule"]], r["m"], r["step_ms"], r["torch_step_ms"], r["vs_torch"],
+          r["idle"], r["formula"], str(r["peak_live"]),
+          " / ".join("-" if g is None else f"{g:.2f}" for g in r["peak_gib"])] for r in rows])})
 
 
 def overlap(ctx: Context) -> Verdict:
@@ -267,6 +277,7 @@ def grader_tiers(ctx: Context) -> Verdict:
 
 
 def _register_all() -> None:
+    from distlab.bench import pp as pp_bench
     from distlab.bench import tp as tp_bench
     from distlab.bench import zero as zero_bench
 
@@ -288,9 +299,11 @@ def _register_all() -> None:
         Check("tp", 2, 420, f"distlab TP step time <= {tp_bench.GOAL}x torch's DTensor TP on "
               f"every link (NVLink, host memory, sockets), every variant runs", tp),
         Check("pp", 2, 420, f"2 NCCL stages train like one process (tests/test_pp.py, multigpu); "
-              f"distlab.bench.pp's idle fraction within {BUBBLE_TOLERANCE * 100:.0f} points of "
-              f"(p-1)/(m+p-1) at m <= 2, GPipe and 1F1B (torch.distributed.pipelining is compared "
-              f"in lab 07's notebook, see nbval-gpu)", pp),
+              f"distlab.bench.pp's step within {pp_bench.GOAL}x the step of "
+              f"torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same model, "
+              f"micro-batches and stages, in the same run, for every schedule and m (1F1B with "
+              f"m < p, which torch refuses, excepted); its idle fraction within "
+              f"{BUBBLE_TOLERANCE * 100:.0f} points of (p-1)/(m+p-1) at m <= 2", pp),
         Check("overlap", 2, 560, f"bucketed DataParallel step time <= {OVERLAP_GOAL}x torch DDP's "
               f"on every link and batch shape of distlab.bench.overlap (7 rounds of 5 steps)",
               overlap),

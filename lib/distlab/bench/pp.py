@@ -1,19 +1,26 @@
-"""Pipeline parallelism measured: the bubble against (p-1)/(m+p-1), and the peak memory
-of each stage under GPipe and 1F1B, for a range of micro-batch counts.
+"""Pipeline parallelism measured: the bubble against (p-1)/(m+p-1), the peak memory of
+each stage under GPipe and 1F1B, and the step time against torch's own pipelining, for
+a range of micro-batch counts.
 
     NCCL_NVLS_ENABLE=0 python -m distlab.bench.pp --out results/pp   # 2 GPUs, NCCL
 
 It launches one rank per stage (``--stages``, NCCL when every rank can have a GPU),
 cuts the GPT (``--model gpt-100m`` by default) into balanced stages
 (:class:`distlab.pp.Stage`), and for each schedule and each m trains a few steps
-(AdamW, ``--dtype`` autocast) on a fixed global batch; the first of the ``--warmup``
-steps also connects the neighbouring stages (:meth:`distlab.pp.p2p.StageLink.connect`,
+(AdamW, ``--dtype`` autocast) on a fixed global batch, twice: with our runtime
+(:class:`distlab.pp.PipelineRunner`) and with ``torch.distributed.pipelining``
+(``PipelineStage`` around the same stage, ``ScheduleGPipe`` or ``Schedule1F1B``, the
+tied embedding's gradient summed as ours does), on the same model, micro-batches and
+stages, one after the other in the same launch (not 1F1B with m < p, which torch's
+``Schedule1F1B`` refuses). The first of the ``--warmup`` steps of
+ours also connects the neighbouring stages (:meth:`distlab.pp.p2p.StageLink.connect`,
 NCCL's lazy connection setup), out of the measurement. Per configuration it reports
-the median step time, the measured idle fraction of the last step (CUDA events on a
-GPU), the formula, each stage's peak of live micro-batches and, on GPUs, each
-stage's peak memory (``torch.cuda.max_memory_allocated``). It writes ``pp_bench.json``
-(rows and the last step's timelines), ``pp_bubble.png``, ``pp_memory.png`` and
-``pp_gantt.png`` to ``--out``, and prints the table.
+the median step time of both and their ratio, the measured idle fraction of our last
+step (CUDA events on a GPU), the formula, each stage's peak of live micro-batches and,
+on GPUs, each stage's peak memory under our runtime (``torch.cuda.max_memory_allocated``).
+It writes ``pp_bench.json`` (rows and the last step's timelines), ``pp_bubble.png``,
+``pp_memory.png`` and ``pp_gantt.png`` to ``--out``, and prints the table. On NCCL it
+exits 1 when our step takes more than :data:`GOAL` times torch's (:func:`goal_misses`).
 """
 from __future__ import annotations
 
@@ -27,16 +34,59 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.bench.timing import sync
 from distlab import backend, launch, pp
-from distlab.model import GPT, PRESETS, config
 from distlab.bench.throughput import DTYPES
+from distlab.bench.timing import sync
+from distlab.model import GPT, PRESETS, config
+from distlab.pp.p2p import StageLink
+from distlab.pp.runtime import sum_tied_gradients
+
+GOAL = 1.25  # our step time over torch.distributed.pipelining's, at most (every schedule, m)
+
+
+def _timed(step, params, steps: int, warmup: int, device, cuda: bool, memory: bool) -> list[float]:
+    """Seconds of each of ``warmup + steps`` training steps: ``step()`` (forward and
+    backward), then AdamW; the peak memory counted from the first measured step."""
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
+    times = []
+    for n in range(warmup + steps):
+        if n == warmup and memory and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        dist.barrier()
+        sync(device)
+        start = time.perf_counter()
+        step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def torch_pipeline(stage, name: str, m: int, device):
+    """``torch.distributed.pipelining``'s schedule ``name`` ("gpipe", "1f1b") of m
+    micro-batches around ``stage``, and a step ``(inputs, targets) -> None`` that also
+    sums the tied embedding's gradient (torch's pipelining knows nothing of tied weights;
+    ours sums it in every step)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+    schedule = cls(PipelineStage(stage, stage.index, stage.num_stages, device),
+                   n_microbatches=m, loss_fn=pp.cross_entropy)
+    link = StageLink()
+
+    def step(inputs, targets):
+        schedule.step(*([inputs] if stage.is_first else []),
+                      **({"target": targets} if stage.is_last else {}))
+        sum_tied_gradients(stage, link)
+    return step
 
 
 def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[int],
             schedules: list[str], steps: int, warmup: int) -> list[dict]:
     """On each rank (one stage each): every (schedule, m), trained ``warmup + steps``
-    steps. Returns one row per configuration with this stage's figures."""
+    steps with our runtime, then as many with torch's pipelining. Returns one row per
+    configuration with this stage's figures."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = backend.device()
     cuda = device.type == "cuda"
@@ -44,7 +94,7 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
         device.type, dtype=DTYPES[dtype])
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(cfg.vocab_size, (batch_size, seq_len + 1), generator=g).to(device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     rows = []
     configs = [(name, m) for name in schedules for m in microbatches]
     for name, m in launch.progress(configs, desc=f"{world} stages"):
@@ -52,25 +102,33 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
         with torch.device(device):  # initialised in place: faster on a GPU than on the host
             stage = pp.Stage(GPT(cfg), rank, world)
         runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m))
-        opt = torch.optim.AdamW(stage.parameters(), lr=1e-4, fused=cuda)
-        times = []
-        for step in range(warmup + steps):
-            if step == warmup and cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            dist.barrier()
-            sync(device)
-            start = time.perf_counter()
+
+        def ours():
             with autocast:
                 runner.step(inputs, targets)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync(device)
-            times.append(time.perf_counter() - start)
-        rows.append({"schedule": name, "m": m, "stage": rank, "layers": stage.layer_names,
-                     "step_s": statistics.median(times[warmup:]),
-                     "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-                     "timeline": runner.timeline})
-        del stage, runner, opt
+        times = _timed(ours, stage.parameters(), steps, warmup, device, cuda, memory=True)
+        row = {"schedule": name, "m": m, "stage": rank, "layers": stage.layer_names,
+               "step_s": statistics.median(times[warmup:]),
+               "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+               "timeline": runner.timeline, "torch_step_s": None, "torch_error": None}
+        del stage, runner
+        if not (name == "1f1b" and m < world):  # torch's Schedule1F1B refuses m < p
+            torch.manual_seed(0)
+            with torch.device(device):
+                stage = pp.Stage(GPT(cfg), rank, world)
+            try:
+                step = torch_pipeline(stage, name, m, device)
+
+                def theirs():
+                    with autocast:
+                        step(inputs, targets)
+                times = _timed(theirs, stage.parameters(), steps, warmup, device, cuda,
+                               memory=False)
+                row["torch_step_s"] = statistics.median(times[warmup:])
+            except Exception as exc:  # noqa: BLE001  (the API changes between torch versions)
+                row["torch_error"] = f"{type(exc).__name__}: {(str(exc) or '-').splitlines()[0]}"
+            del stage
+        rows.append(row)
         if cuda:
             torch.cuda.empty_cache()
     return rows
@@ -84,9 +142,15 @@ def summarise(per_rank: list[list[dict]], batch_size: int, seq_len: int) -> list
         mine = [rows[i] for rows in per_rank]
         events = [e for r in mine for e in r["timeline"]]
         step = max(r["step_s"] for r in mine)
+        errors = [r["torch_error"] for r in mine if r["torch_error"]]
+        theirs = None if errors or mine[0]["torch_step_s"] is None else max(
+            r["torch_step_s"] for r in mine)
         live = pp.peak_live(events)
         out.append({"schedule": first["schedule"], "m": first["m"], "p": p,
                     "step_ms": 1e3 * step, "tokens_per_s": batch_size * seq_len / step,
+                    "torch_step_ms": None if theirs is None else 1e3 * theirs,
+                    "vs_torch": None if theirs is None else step / theirs,
+                    "torch_error": errors[0] if errors else None,
                     "idle": pp.idle_fraction(events, p),
                     "formula": pp.bubble_fraction(p, first["m"]),
                     "peak_live": [live[s] for s in range(p)],
@@ -96,37 +160,46 @@ def summarise(per_rank: list[list[dict]], batch_size: int, seq_len: int) -> list
     return out
 
 
+def goal_misses(rows: list[dict]) -> list[str]:
+    """Each configuration where our step took more than :data:`GOAL` times torch's, or
+    where torch's pipelining did not run (1F1B with m < p is not compared: torch's
+    ``Schedule1F1B`` refuses it)."""
+    return [f"{pp.TITLES[r['schedule']]}, m = {r['m']}: " + (
+        f"torch.distributed.pipelining did not run ({r['torch_error']})" if r["torch_error"] else
+        f"our step {r['step_ms']:.1f} ms is {r['vs_torch']:.2f}x torch's {r['torch_step_ms']:.1f} "
+        f"ms, above {GOAL}x") for r in rows
+        if r["torch_error"] or (r["vs_torch"] is not None and r["vs_torch"] > GOAL)]
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'schedule':>8} {'m':>3} {'step ms':>8} {'tokens/s':>10} {'idle':>6} "
-             f"{'formula':>7}  {'peak live per stage':<20} peak memory per stage (GiB)"]
+    lines = [f"{'schedule':>8} {'m':>3} {'step ms':>8} {'torch ms':>8} {'/torch':>6} "
+             f"{'tokens/s':>10} {'idle':>6} {'formula':>7}  {'peak live per stage':<20} "
+             f"peak memory per stage (GiB)"]
     for r in rows:
         mem = ("n/a (no GPU)" if r["peak_gib"][0] is None else
                " ".join(f"{g:.2f}" for g in r["peak_gib"]))
-        lines.append(f"{pp.TITLES[r['schedule']]:>8} {r['m']:>3} {r['step_ms']:8.1f} "
+        theirs = (f"{'failed':>8} {'-':>6}" if r["torch_error"] else
+                  f"{'n/a':>8} {'-':>6}" if r["vs_torch"] is None else
+                  f"{r['torch_step_ms']:8.1f} {r['vs_torch']:6.2f}")
+        lines.append(f"{pp.TITLES[r['schedule']]:>8} {r['m']:>3} {r['step_ms']:8.1f} {theirs} "
                      f"{r['tokens_per_s']:10,.0f} {r['idle']:6.1%} {r['formula']:7.1%}  "
                      f"{str(r['peak_live']):<20} {mem}")
     return "\n".join(lines)
 
 
-def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
-    """The bubble against the formula, the peak memory per stage, and the Gantt charts
-    of both schedules at a middle m; returns the files written (none, with a note,
-    where matplotlib or ipywidgets is missing: ``--replot`` draws them elsewhere)."""
-    try:
-        import matplotlib.pyplot as plt
+def draw(rows: list[dict], title: str) -> dict:
+    """The bench's figures from its rows (``pp_bench.json``'s, or the ``pp`` acceptance
+    check's): file name -> matplotlib figure. The bubble against the formula; the peak
+    memory per stage (rows measured on GPUs); the Gantt charts of both schedules at the
+    middle m (rows that kept their timeline)."""
+    import matplotlib.pyplot as plt
 
-        from distlab.viz.pipeline import compare_figure, plot_bubble
-    except ImportError as exc:
-        print(f"figures skipped ({exc}); draw them where matplotlib and ipywidgets are "
-              f"installed: python -m distlab.bench.pp --replot --out {out}")
-        return []
+    from distlab.viz.pipeline import compare_figure, plot_bubble
 
-    written = []
-    fig = plot_bubble([{"label": f"{pp.TITLES[r['schedule']]} measured", "m": r["m"],
-                        "p": r["p"], "idle": r["idle"]} for r in rows], title=title)
-    written.append(out / "pp_bubble.png")
-    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    figs = {"pp_bubble.png": plot_bubble(
+        [{"label": f"{pp.TITLES[r['schedule']]} measured", "m": r["m"], "p": r["p"],
+          "idle": r["idle"]} for r in rows], title=title)}
+    ms = sorted({r["m"] for r in rows})
     if rows[0]["peak_gib"][0] is not None:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         for name in dict.fromkeys(r["schedule"] for r in rows):
@@ -136,7 +209,6 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
                         ls="-" if name == "gpipe" else "--", color=f"C{s}",
                         label=f"{pp.TITLES[name]}, stage {s}")
         ax.set_xscale("log", base=2)
-        ms = sorted({r["m"] for r in rows})
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.minorticks_off()
         ax.set_xlabel("micro-batches m (same global batch)")
@@ -144,15 +216,31 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
         ax.set_title(f"{title}: peak memory per stage", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        written.append(out / "pp_memory.png")
-        fig.savefig(written[-1], dpi=120, bbox_inches="tight")
-        plt.close(fig)
-    ms = sorted({r["m"] for r in rows})
+        figs["pp_memory.png"] = fig
     middle = ms[len(ms) // 2]
     panels = {f"{pp.TITLES[r['schedule']]}, p={r['p']}, m={r['m']}": (r["timeline"], "ms")
-              for r in rows if r["m"] == middle}
-    written.append(out / "pp_gantt.png")
-    compare_figure(panels, columns=1).savefig(written[-1], dpi=120, bbox_inches="tight")
+              for r in rows if r["m"] == middle and r.get("timeline")}
+    if panels:
+        figs["pp_gantt.png"] = compare_figure(panels, columns=1)
+    return figs
+
+
+def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
+    """:func:`draw`'s figures written to ``out``; returns the files written (none, with a
+    note, where matplotlib or ipywidgets is missing: ``--replot`` draws them elsewhere)."""
+    try:
+        import matplotlib.pyplot as plt
+
+        figs = draw(rows, title)
+    except ImportError as exc:
+        print(f"figures skipped ({exc}); draw them where matplotlib and ipywidgets are "
+              f"installed: python -m distlab.bench.pp --replot --out {out}")
+        return []
+    written = []
+    for name, fig in figs.items():
+        written.append(out / name)
+        fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
     return written
 
 
@@ -205,7 +293,11 @@ def main(argv=None) -> int:
         {"title": title, "device": backend.info().gpu_names or ["CPU"], "rows": rows}, indent=1))
     for path in [args.out / "pp_bench.json"] + figures(rows, args.out, title):
         print(f"wrote {path}")
-    return 0
+    misses = goal_misses(rows)
+    for miss in misses:
+        print(f"goal missed: {miss}")
+    # CPU timings on shared cores say little about the runtimes: only GPU runs count
+    return 1 if misses and backend.choose(args.stages, args.backend) != "gloo" else 0
 
 
 if __name__ == "__main__":
