@@ -8,7 +8,10 @@
   its time limit, whatever hangs;
 * control characters in what the student controls never reach the terminal raw;
 * files the student's code leaves in /tmp or /dev/shm vanish with the grading run;
-* a rank that allocates past its memory cap is reported "out of memory".
+* a rank that allocates past its memory cap is reported "out of memory";
+* a forged CommLog no longer earns traffic points where the bytes are counted on the
+  run's own loopback (root, namespaces), and such points are marked self-reported where
+  they are not.
 
 Every grading run happens in a PID namespace of its own (as root), with a guard in each
 Python process that refuses, and records, any signal to PID <= 1.
@@ -16,6 +19,7 @@ Python process that refuses, and records, any signal to PID <= 1.
 import dataclasses
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -288,15 +292,73 @@ def test_the_answers_cannot_be_read(student):
 '''
 
 
+_FORGER = '''
+def ring_reduce_scatter(tensor, group=None):
+    """All-reduce the whole tensor behind the tracer's back, and log a ring's sends."""
+    from distlab import comm as _comm
+    K, rank = dist.get_world_size(group), dist.get_rank(group)
+    full = tensor.reshape(-1).clone()
+    _comm._state.depth += 1
+    try:
+        dist.all_reduce(full, group=group)
+    finally:
+        _comm._state.depth -= 1
+    chunks = torch.tensor_split(full, K)
+    for log in _comm._logs:
+        log.events += [_comm.CommEvent(
+            op="isend", nbytes=chunks[0].numel() * 4, dtype="float32", rank=rank,
+            peer=(rank + 1) % K, group_size=K, group_ranks=tuple(range(K)), async_op=True,
+            start=0.0, end=0.0) for _ in range(K - 1)]
+    return chunks[rank].clone()
+'''
+
+_TRAFFIC_TESTS = '''
+import torch
+
+from distlab import launch
+from distlab.comm import CommLog
+from distlab.grading import wire
+
+N, W = 1 << 16, 2  # 256 KiB per rank: a ring's sends are 128 KiB a rank
+
+
+def _run(fn):
+    with CommLog() as log:
+        fn(torch.ones(N))
+    return log.records()
+
+
+def test_traffic_as_the_ranks_report_it(student):
+    for rank, records in enumerate(launch.run(_run, W, student.ring_reduce_scatter,
+                                              backend="gloo", timeout=60)):
+        log = CommLog.from_records(records, rank)
+        assert not log.collectives(), "a collective instead of a ring"
+        assert log.bytes_sent() <= N * 4 * (W - 1) // W, "more than a ring sends"
+
+
+def test_traffic_on_the_wire(student):
+    with wire.measure(W) as reading:
+        launch.run(_run, W, student.ring_reduce_scatter, backend="gloo", timeout=60)
+    wire.at_most(reading, (W - 1) * N * 4, "the ring reduce-scatter's traffic")
+'''
+
+
 @ROOT_ONLY
-def test_graded_ranks_cannot_read_the_answers_nor_leave_files_in_tmp(tmp_path):
+def test_graded_ranks_cannot_read_the_answers_leave_files_in_tmp_nor_forge_traffic(tmp_path):
+    """One grading run (the probe's), three defences: the answers are hidden, /tmp and
+    /dev/shm are the run's own, and a forged CommLog no longer earns traffic points. The
+    forger all-reduces behind the tracer's back and logs a ring's sends: the CommLog check
+    still passes, and is reported self-reported; the bytes counted on the run's own
+    loopback, outside the ranks, fail it (an all-reduce moves twice a ring
+    reduce-scatter)."""
     import uuid
 
     import distlab.zero.step  # noqa: F401  (its bytecode exists to be hidden)
 
     mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
-    tests = _tests(tmp_path, {"all_reduce_mean": _PROBE_TEST}, conftest=True)
-    path = _notebook(tmp_path, "00_setup", {"all_reduce_mean": _PROBE.replace("MARK", mark)})
+    tests = _tests(tmp_path, {"all_reduce_mean": _PROBE_TEST + _TRAFFIC_TESTS}, conftest=True)
+    path = _notebook(tmp_path, "00_setup",
+                     {"all_reduce_mean": _PROBE.replace("MARK", mark) + _FORGER})
     try:
         results, _ = _grade(tmp_path, path, tests)
         left = [f for f in (Path("/tmp") / mark, Path("/dev/shm") / mark) if f.exists()]
@@ -304,8 +366,15 @@ def test_graded_ranks_cannot_read_the_answers_nor_leave_files_in_tmp(tmp_path):
         for folder in ("/tmp", "/dev/shm"):
             (Path(folder) / mark).unlink(missing_ok=True)
     r = results["all_reduce_mean"]
-    assert (r["points"], r["max_points"], r["verdict"]) == (1, 1, "pass"), r
     assert left == [], f"the student's code left {left} on the machine"
+    if not sandbox.network_namespace():  # nothing counted: both traffic points self-reported
+        assert (r["points"], r["max_points"], r["self_reported"]) == (3, 3, 2), r
+        return
+    assert (r["points"], r["max_points"], r["self_reported"]) == (2, 3, 1), r
+    assert r["message"].startswith("test_traffic_on_the_wire: the ring reduce-scatter's "
+                                   "traffic: your ranks moved"), r
+    ratio = re.search(r"([\d.]+)x the 256.0 KiB expected", r["message"])
+    assert ratio and 1.9 <= float(ratio[1]) <= 2.3, r  # an all-reduce: twice a ring
 
 
 # ------------------------------------------------ 4. FIFOs and the time limit
@@ -388,3 +457,86 @@ def test_control_characters_never_reach_the_terminal_raw():
     assert shown.count("\n") == 5  # the title's own line break, then header, rule, row, total
     assert json.loads(json.dumps(dataclasses.asdict(
         runner.Result("x", 0, 1, "fail", nasty))))["message"] == nasty  # the JSON is exact
+
+
+# ------------------------------------ 6. traffic counted outside the ranks
+
+_WIRE_SCRIPT = '''
+import json, torch, torch.distributed as dist
+from distlab import launch
+from distlab.collectives.ring import ring_reduce_scatter
+from distlab.grading import wire
+
+N, W = 1 << 16, 2
+
+
+def ring():
+    ring_reduce_scatter(torch.ones(N))
+
+
+def all_reduce():
+    dist.all_reduce(torch.ones(N))
+
+
+found = {"private": wire.private_loopback()}
+with wire.measure(W) as honest:
+    launch.run(ring, W)
+with wire.measure(W) as cheat:
+    launch.run(all_reduce, W)
+wire.at_most(honest, (W - 1) * N * 4, "ring")
+try:
+    wire.at_most(cheat, (W - 1) * N * 4, "ring")
+except AssertionError as exc:
+    found["refused"] = str(exc)
+found.update(honest=honest.payload, cheat=cheat.payload, allowance=cheat.allowance,
+             gloo=wire.gloo_bytes("all_reduce", N * 4, W))
+launch.shutdown()
+print(json.dumps(found))
+'''
+
+
+@ROOT_ONLY
+def test_the_loopback_counts_what_the_ranks_move(tmp_path):
+    """In a network namespace of its own (as the grader's runs get it), lo's counters
+    give a ring reduce-scatter's (n-1) buffers and gloo's all-reduce's 2(n-1), to within
+    wire.TOLERANCE; a no-op launch on warm ranks costs nothing."""
+    from distlab.grading import wire
+
+    if not sandbox.network_namespace():
+        pytest.skip("no network namespace here")
+    guard = tmp_path / "guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(_GUARD)
+    (tmp_path / "wire_probe.py").write_text(_WIRE_SCRIPT)
+    log = tmp_path / "signals.log"
+    env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
+        [str(guard)] + [p for p in sys.path if p]))
+    done = subprocess.run(sandbox._UNSHARE + ["--net", sys.executable, "-m",
+                                              "distlab.grading.sandbox", "init", "--",
+                                              sys.executable, str(tmp_path / "wire_probe.py")],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert not log.exists(), log.read_text()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    ring = 1 << 18  # (n-1) buffers of 256 KiB
+    assert found["private"] and found["allowance"] == 0, found
+    assert ring <= found["honest"] <= ring * (1 + wire.TOLERANCE), found
+    assert found["gloo"] <= found["cheat"] <= found["gloo"] * (1 + wire.TOLERANCE), found
+    assert "x the 256.0 KiB expected" in found["refused"], found
+
+
+def test_without_a_private_loopback_nothing_is_counted(monkeypatch):
+    """Outside a grader's network namespace (here, the machine's own network, even with
+    the variable set) the bytes are not counted, and a wire check checks nothing."""
+    from distlab.grading import wire
+
+    monkeypatch.setenv(wire.ENV, "lo")
+    if set(wire.interfaces() or {}) == {"lo"}:
+        pytest.skip("this test process already sits in a loopback-only namespace")
+    assert not wire.private_loopback()
+    with wire.measure(2) as reading:
+        pass
+    assert reading.payload is None
+    wire.at_most(reading, 0, "nothing")  # not counted: no verdict from the wire
+    assert wire.evidence_of(True, False) == "self-reported"
+    assert wire.evidence_of(True, True) == "wire" and wire.evidence_of(False, False) == ""

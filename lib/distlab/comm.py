@@ -134,7 +134,10 @@ class CommLog:
 
     @classmethod
     def from_records(cls, records: list[dict], rank: int = 0) -> "CommLog":
-        """A log rebuilt from :meth:`records`, for checks made outside the rank."""
+        """A log rebuilt from :meth:`records`, for checks made outside the rank. The
+        grader counts these (:func:`logs_rebuilt`): a check on one rests on what a rank
+        reported about itself."""
+        _rebuilt[0] += 1
         log = cls.__new__(cls)
         fields = {f.name for f in dataclasses.fields(CommEvent)}
         log.events = [CommEvent(**{k: v for k, v in r.items() if k in fields}) for r in records]
@@ -184,6 +187,16 @@ class CommLog:
         lines = [f"rank {self.rank}: {len(self.events)} calls"]
         lines += [f"  {op:<24}{n:>6} x  {human_bytes(b):>10}" for op, (n, b) in rows.items()]
         return "\n".join(lines)
+
+
+_rebuilt = [0]  # CommLogs rebuilt from records in this process
+
+
+def logs_rebuilt() -> int:
+    """How many CommLogs this process rebuilt from a rank's records
+    (:meth:`CommLog.from_records`): the autograder marks the points of a test that read
+    one as self-reported (see :mod:`distlab.grading.wire`)."""
+    return _rebuilt[0]
 
 
 def in_group(group) -> bool:

@@ -1,6 +1,8 @@
 """The grader's pytest plugin (``-p distlab.grading.plugin``): streams each exercise
 test's outcome, and the first failing check in plain words, to the grader through a
-pipe; reports tests of a tier this machine cannot run as "blocked"; stops an
+pipe, with the evidence of a passed test's traffic ("wire": bytes counted outside the
+ranks, :mod:`distlab.grading.wire`; "self-reported": only a CommLog a rank returned);
+reports tests of a tier this machine cannot run as "blocked"; stops an
 exercise's tests once they have used up its time."""
 from __future__ import annotations
 
@@ -74,6 +76,15 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+def _evidence_marks() -> tuple[int, int]:
+    """(CommLogs rebuilt from ranks' records, wire checks made) in this process so far:
+    a test that rebuilt a log and made no wire check passed on self-reported traffic."""
+    from distlab import comm
+    from distlab.grading import wire
+
+    return comm.logs_rebuilt(), wire.checks_made()
+
+
 def exercise_of(test_file: str) -> str:
     """``.../test_NAME.py`` → ``NAME``."""
     return Path(test_file).stem.removeprefix("test_")
@@ -91,6 +102,7 @@ class _Recorder:
         self.spent: dict[str, float] = {}
         self.exercise: dict[str, str] = {}  # test id → exercise
         self.current: str | None = None  # the exercise whose tests run now
+        self.marks = (0, 0)  # CommLogs rebuilt, wire checks made, when the test started
 
     def _write(self, record: dict) -> None:
         if "test" in record:
@@ -118,6 +130,7 @@ class _Recorder:
             launch.shutdown(graceful=False)
             self.current = name
             self._write({"start": name})
+        self.marks = _evidence_marks()
         if self.spent.get(name, 0.0) > self.budget:
             self._write({"test": item.nodeid, "outcome": "timeout", "message":
                          f"the tests of this exercise did not finish within {self.budget:g} s "
@@ -151,7 +164,11 @@ class _Recorder:
             kind = "blocked" if reason.startswith("blocked") else "skipped"
             self._write({"test": report.nodeid, "outcome": kind, "message": reason})
         elif report.passed:
-            self._write({"test": report.nodeid, "outcome": "passed", "message": ""})
+            from distlab.grading import wire
+
+            logs, checks = (now - then for now, then in zip(_evidence_marks(), self.marks))
+            self._write({"test": report.nodeid, "outcome": "passed", "message": "",
+                         "evidence": wire.evidence_of(logs > 0, checks > 0)})
         else:
             kind, message = getattr(report, "distlab_verdict", ("error", "the test broke"))
             self._write({"test": report.nodeid, "outcome": kind, "message": message})

@@ -35,14 +35,17 @@ control characters escaped (:func:`shown`); the JSON report carries them exactly
 JSON is written whole or not at all, under a fresh name created with
 O_CREAT|O_EXCL|O_NOFOLLOW in the target's folder and renamed over the target; a folder
 other users can write is refused unless sticky and owned by the grader or root
-(:func:`write_report`).
+(:func:`distlab.grading.output.write_report`).
+
+Beside an exercise's first failing check the report names the hint to open
+(:mod:`distlab.grading.hints`), and the points whose traffic evidence is only a CommLog
+the ranks returned are counted as "self-reported" (:mod:`distlab.grading.wire`).
 
 The pytest process loads :mod:`distlab.grading.plugin`, which streams each test's
 outcome and its first failing check in plain words back through a pipe.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -52,6 +55,7 @@ import threading
 import time
 from pathlib import Path
 
+from distlab.grading.output import shown, table, traffic_evidence, write_report
 from distlab.grading.plugin import EXERCISE_TIMEOUT
 
 TESTS = Path(__file__).resolve().parent / "exercises"  # installed with the package
@@ -67,6 +71,9 @@ class Result:
     message: str   # the first failing check, in plain words
     blocked: int = 0  # tests this machine could not run
     seconds: float = 0.0
+    self_reported: int = 0  # points whose traffic evidence is only the ranks' own CommLog
+    failed_test: str = ""   # the first failing test's id
+    hint: str = ""          # the hint to open for it (:mod:`distlab.grading.hints`)
 
 
 def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
@@ -92,7 +99,9 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
         message = next((t for t in failed if t["outcome"] == "deadlock"), first)["message"]
         message = f"{first['test'].split('::')[-1]}: {message}" if verdict != "not attempted" \
             else message
-    return Result(name, len(passed), len(ran), verdict, message, len(blocked), seconds)
+    return Result(name, len(passed), len(ran), verdict, message, len(blocked), seconds,
+                  sum(t.get("evidence") == "self-reported" for t in passed),
+                  failed[0]["test"] if failed else "")
 
 
 PLUGIN = "distlab.grading.plugin"
@@ -205,7 +214,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     the tests after it count as not run), as the kit's tests of wrong answers grade."""
     import nbformat
 
-    from distlab.grading import labs, notebook
+    from distlab.grading import hints, labs, notebook
     from distlab.runtime import privileges
 
     every = labs.exercises(tests_dir)
@@ -301,6 +310,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                       "message": late or (broke if not ended else "the test reported no outcome")})
                      for c in mine]
             results.append(_summarise(name, tests, seconds / max(attempted, 1)))
+            if results[-1].failed_test:
+                results[-1].hint = hints.pointer(hints.declared(files[name]), hints.titles(
+                    nb, name), results[-1].failed_test, name)
     for name in foreign:
         owner = next((other for other, names in every.items() if name in names), None)
         results.append(Result(name, 0, 0, "ignored", (
@@ -343,72 +355,6 @@ def _private_tmp(tmp: Path, tests_dir: Path, user: str) -> dict:
     keep = [str(tmp), str(tests_dir), sys.prefix, sys.exec_prefix,  # a venv under /tmp too
             *os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
     return {"DISTLAB_PRIVATE_TMP": os.pathsep.join(k for k in keep if k)}
-
-
-def shown(text: str) -> str:
-    """``text`` safe to print on a terminal: control and formatting characters (escape
-    sequences, carriage returns, bidirectional overrides) written as Python escapes."""
-    import unicodedata
-
-    return "".join(ch if ch == " " or unicodedata.category(ch) not in (
-        "Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs") else
-        ascii(ch)[1:-1] for ch in str(text))
-
-
-def table(results: list[Result], title: str = "") -> str:
-    """The report, every student-controlled string escaped (:func:`shown`)."""
-    rows = [("exercise", "points", "verdict", "first failing check")]
-    for r in results:
-        pts = f"{r.points}/{r.max_points}" + (f" (+{r.blocked} blocked)" if r.blocked else "")
-        rows.append((shown(r.exercise), pts, shown(r.verdict), shown(r.message)))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["\n".join(shown(line) for line in title.split("\n"))] if title else []
-    for i, row in enumerate(rows):
-        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
-        if i == 0:
-            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
-    total = sum(r.points for r in results), sum(r.max_points for r in results)
-    lines.append(f"total: {total[0]}/{total[1]}")
-    return "\n".join(lines)
-
-
-class UnsafeTarget(OSError):
-    """The report's folder is writable by others: a file written there could be swapped."""
-
-
-def write_report(target: Path, text: str) -> None:
-    """Write ``text`` to ``target`` whole or not at all, without following a link anyone
-    planted: a fresh name in the target's folder (created with O_CREAT|O_EXCL|O_NOFOLLOW,
-    as ``mkstemp`` does), renamed over ``target``, both through a descriptor of the folder
-    checked first. A folder writable by another user is refused (:class:`UnsafeTarget`)
-    unless it is sticky and owned by the grader's user or root (as /tmp)."""
-    import secrets
-    import stat
-
-    folder = os.path.dirname(os.path.abspath(target)) or "/"
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        st = os.fstat(dfd)
-        shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0)
-        if shared and not (st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
-            raise UnsafeTarget(f"refusing to write {target}: its folder {folder} is writable by "
-                               f"other users (mode {stat.filemode(st.st_mode)}, owner uid "
-                               f"{st.st_uid}); write the report into a folder of your own")
-        name = f".{os.path.basename(target)}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644, dir_fd=dfd)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(name, os.path.basename(target), src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dfd)
-            raise
-    finally:
-        os.close(dfd)
 
 
 def _readable_notebook(path: Path) -> str:
@@ -467,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
         print(table(results, title=f"\n{path}"), flush=True)
         report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
                                           "verdict": r.verdict, "message": r.message,
-                                          "blocked": r.blocked} for r in results}
+                                          "blocked": r.blocked, "hint": r.hint,
+                                          "self_reported": r.self_reported,
+                                          "traffic": traffic_evidence()} for r in results}
     if args.json:
         try:
             write_report(args.json, json.dumps(report, indent=2))  # whole or not at all

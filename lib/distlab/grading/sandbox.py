@@ -269,15 +269,30 @@ def containment() -> str:
 _UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
+@functools.lru_cache(maxsize=None)
+def network_namespace() -> bool:
+    """Whether contained runs also get a network namespace of their own (namespaces, and
+    ``unshare --net`` works): the condition for traffic counted outside the ranks."""
+    if containment() != "pidns":
+        return False
+    try:
+        return subprocess.run(["unshare", "--net", "true"], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
                   pass_fds=(), stop: threading.Event | None = None) -> tuple[int | None, str]:
     """Run ``cmd`` with everything it starts contained; return (exit status, or None if
     it ran past ``timeout``, or ``stop`` was set, and it was stopped; its combined
-    output). When it ends, no process it started is left."""
+    output). When it ends, no process it started is left. With namespaces the run also
+    has a network namespace of its own, only ``lo`` up (:func:`_loopback_up`), whose
+    counters are the grader's traffic evidence (:mod:`distlab.grading.wire`)."""
     mode = containment()
     line = [sys.executable, "-m", "distlab.grading.sandbox", "init", "--", *cmd]
     if mode == "pidns":
-        line = _UNSHARE + line
+        line = _UNSHARE + (["--net"] if network_namespace() else []) + line
     proc = subprocess.Popen(line, env=dict(env, DISTLAB_PASS_FDS=",".join(map(str, pass_fds))),
                             cwd=cwd, pass_fds=list(pass_fds), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -415,6 +430,32 @@ def _private_tmp(keep: list[str]) -> None:
         os.close(fd)
 
 
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def _loopback_up() -> bool:
+    """In a fresh network namespace (its PID 1, as root): bring ``lo`` up, the only
+    interface there, so that gloo's ranks reach each other and nothing else; True when
+    this namespace holds ``lo`` alone, up."""
+    import fcntl
+    import socket
+    import struct
+
+    from distlab.grading import wire
+
+    found = wire.interfaces() or {}
+    if set(found) != {"lo"}:
+        return False
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack(
+                "16sh", b"lo", 0)))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+    except OSError:
+        return False
+    return True
+
+
 def _init(cmd: list[str]) -> int:
     """The supervisor: start ``cmd``, wait for it (reaping whatever else ends), then
     kill every process left below. SIGTERM stops ``cmd`` early."""
@@ -423,6 +464,9 @@ def _init(cmd: list[str]) -> int:
     keep = os.environ.pop("DISTLAB_PRIVATE_TMP", None)
     if keep is not None and os.getpid() == 1:
         _private_tmp([k for k in keep.split(os.pathsep) if k])
+    os.environ.pop("DISTLAB_WIRE", None)  # only a loopback made here is counted
+    if os.getpid() == 1 and _loopback_up():
+        os.environ["DISTLAB_WIRE"] = "lo"
     fds = [int(x) for x in os.environ.pop("DISTLAB_PASS_FDS", "").split(",") if x]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

@@ -1,0 +1,103 @@
+"""What the grader prints and writes: every student-controlled string escaped
+(:func:`shown`), the report table with each exercise's hint and self-reported points
+(:func:`table`), where the traffic evidence comes from (:func:`traffic_evidence`), and
+the JSON written without following a planted link (:func:`write_report`)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def shown(text: str) -> str:
+    """``text`` safe to print on a terminal: control and formatting characters (escape
+    sequences, carriage returns, bidirectional overrides) written as Python escapes."""
+    import unicodedata
+
+    return "".join(ch if ch == " " or unicodedata.category(ch) not in (
+        "Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs") else
+        ascii(ch)[1:-1] for ch in str(text))
+
+
+def traffic_evidence() -> str:
+    """Where this grader's traffic checks can get their bytes, in words: counted on a
+    private loopback (root, an unprivileged user, namespaces; :mod:`distlab.grading.wire`)
+    or only from the ranks' own CommLogs, and why."""
+    from distlab.grading import sandbox
+    from distlab.runtime import privileges
+
+    if os.geteuid() != 0:
+        return "self-reported: the grader is not root, so the ranks get no network of their own"
+    if not privileges.unprivileged_user()[0]:
+        return "self-reported: no unprivileged user, so students' code runs as root"
+    if not sandbox.network_namespace():
+        return "self-reported: no network namespace (unshare --net failed)"
+    return "wire: bytes counted on a loopback of the run's own, outside the ranks"
+
+
+def table(results: list, title: str = "") -> str:
+    """The report, every student-controlled string escaped (:func:`shown`): per exercise
+    its points (how many rest on self-reported traffic), verdict, first failing check and
+    the hint to open."""
+    rows = [("exercise", "points", "verdict", "first failing check")]
+    for r in results:
+        pts = f"{r.points}/{r.max_points}" + (f" (+{r.blocked} blocked)" if r.blocked else "") + (
+            f" ({r.self_reported} self-reported)" if r.self_reported else "")
+        rows.append((shown(r.exercise), pts, shown(r.verdict), shown(r.message)))
+        if r.hint:
+            rows.append(("", "", "", f"\u2192 {shown(r.hint)}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = ["\n".join(shown(line) for line in title.split("\n"))] if title else []
+    for i, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
+    total = sum(r.points for r in results), sum(r.max_points for r in results)
+    lines.append(f"total: {total[0]}/{total[1]}")
+    mine = sum(r.self_reported for r in results)
+    if mine:
+        why = traffic_evidence()
+        lines.append(f"self-reported: {mine} of these points rest on traffic the ranks reported "
+                     f"themselves (CommLog), which their code could forge; " + (
+                         "their tests do not check the bytes counted on the wire"
+                         if why.startswith("wire") else why.removeprefix("self-reported: ")))
+    return "\n".join(lines)
+
+
+class UnsafeTarget(OSError):
+    """The report's folder is writable by others: a file written there could be swapped."""
+
+
+def write_report(target: Path, text: str) -> None:
+    """Write ``text`` to ``target`` whole or not at all, without following a link anyone
+    planted: a fresh name in the target's folder (created with O_CREAT|O_EXCL|O_NOFOLLOW,
+    as ``mkstemp`` does), renamed over ``target``, both through a descriptor of the folder
+    checked first. A folder writable by another user is refused (:class:`UnsafeTarget`)
+    unless it is sticky and owned by the grader's user or root (as /tmp)."""
+    import secrets
+    import stat
+
+    folder = os.path.dirname(os.path.abspath(target)) or "/"
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(dfd)
+        shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or st.st_uid not in (os.geteuid(), 0)
+        if shared and not (st.st_mode & stat.S_ISVTX and st.st_uid in (os.geteuid(), 0)):
+            raise UnsafeTarget(f"refusing to write {target}: its folder {folder} is writable by "
+                               f"other users (mode {stat.filemode(st.st_mode)}, owner uid "
+                               f"{st.st_uid}); write the report into a folder of your own")
+        name = f".{os.path.basename(target)}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=dfd)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name, os.path.basename(target), src_dir_fd=dfd, dst_dir_fd=dfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)

@@ -1,0 +1,168 @@
+"""Traffic evidence the student's code cannot forge: bytes counted on the network.
+
+A CommLog is kept by the rank that ran the student's code, so a student can forge it
+(undo the tracer's depth, append events). Where the grader is root and can make
+namespaces, each contained pytest run gets a network namespace of its own with only
+``lo`` up (:func:`distlab.grading.sandbox.run_contained`), gloo is told to use ``lo``
+(``GLOO_SOCKET_IFNAME``), and the test process, which never runs the student's code,
+reads that loopback's transmit counters (``/proc/self/net/dev``) before and after the
+graded call (:func:`measure`). Every byte gloo moves between ranks crosses ``lo`` once;
+the launcher talks to its ranks over Unix sockets and the rendezvous is a file, so they
+add nothing; a warm pool's launch adds nothing (measured: 0 bytes); fresh ranks add their
+gloo handshakes (measured once per world size by :func:`fresh_cost` and allowed for).
+
+The payload is the transmitted bytes less :data:`HEADER` bytes per packet (Ethernet,
+IPv4 and TCP with timestamps, as Linux counts them on ``lo``; ACKs are pure header).
+:func:`at_most` checks it against an upper bound with a stated tolerance
+(:data:`TOLERANCE` of the expected bytes plus :data:`SLACK` for gloo's own message
+headers). Bytes a student adds can only raise the count, so upper bounds ("you moved
+twice what a reduce-scatter moves") hold against any forgery. Lower bounds do not: ranks
+can also exchange data through files, so none is checked here.
+
+What bytes cannot tell: which collective moved them, where two cost the same. Measured
+under gloo (torch 2.13), ``reduce_scatter_tensor`` moves exactly what ``all_reduce``
+moves (2(n-1)/n of the buffer per rank), so "all-reduce instead of reduce-scatter"
+through torch's calls is invisible on the wire; it shows when the student's reduce-scatter
+is a ring of sends (n-1)/n. :func:`gloo_bytes` gives gloo's measured cost per call.
+
+Without namespaces (not root, or no ``unshare``) there is no private loopback to count:
+:func:`measure` yields a reading whose ``payload`` is None, :func:`at_most` checks
+nothing, and the grader marks the points of tests that read a CommLog
+"self-reported" (:func:`evidence_of`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+HEADER = 66        # bytes per packet on lo: Ethernet 14 + IPv4 20 + TCP 32 (timestamps)
+TOLERANCE = 0.10   # of the expected bytes
+SLACK = 16 << 10   # bytes: gloo's own headers (about 4 KiB per all-reduce at 4 ranks)
+ENV = "DISTLAB_WIRE"  # set to "lo" by the contained run's supervisor once lo is up alone
+
+# total bytes on the wire of one call over n ranks, per byte of the message as CommLog
+# counts it (the whole buffer; the output of an all-gather; the input of a reduce-scatter),
+# measured with gloo at 2 and 4 ranks on 4 KiB to 4 MiB
+_GLOO = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "reduce_scatter": lambda n: 2 * (n - 1),  # gloo reduces the whole buffer, then slices
+    "all_gather": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "send": lambda n: 1,
+}
+
+_checks = [0]  # wire checks made in this process with evidence (the plugin reads it)
+
+
+def private_loopback() -> bool:
+    """Whether this process counts in a network namespace of its own whose only
+    interface is ``lo`` (set up by the grader's supervisor)."""
+    if os.environ.get(ENV) != "lo":
+        return False
+    counters = interfaces()
+    return counters is not None and set(counters) == {"lo"}
+
+
+def interfaces() -> dict[str, tuple[int, int]] | None:
+    """interface → (transmitted bytes, transmitted packets), from /proc/self/net/dev."""
+    try:
+        with open("/proc/self/net/dev") as f:
+            lines = f.read().splitlines()[2:]
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        name, _, fields = line.partition(":")
+        values = fields.split()
+        if len(values) >= 10:
+            out[name.strip()] = (int(values[8]), int(values[9]))
+    return out
+
+
+def counters() -> tuple[int, int]:
+    """(bytes, packets) transmitted on ``lo`` so far in this network namespace."""
+    found = (interfaces() or {}).get("lo")
+    if found is None:
+        raise RuntimeError("no loopback counters in /proc/self/net/dev")
+    return found
+
+
+@dataclasses.dataclass
+class Reading:
+    """What crossed the loopback during a :func:`measure` block (None: not counted)."""
+
+    bytes: int | None = None
+    packets: int | None = None
+    allowance: int = 0  # bytes fresh ranks' handshakes may add
+
+    @property
+    def payload(self) -> int | None:
+        """Bytes of TCP payload: transmitted bytes less a header per packet."""
+        return None if self.bytes is None else self.bytes - HEADER * self.packets
+
+
+def _noop() -> None:
+    return None
+
+
+@contextlib.contextmanager
+def measure(world_size: int, backend: str = "gloo"):
+    """``with measure(n) as reading: launch.run(...)``: what crossed the loopback during
+    the block. Counted only on a private loopback (:func:`private_loopback`; else
+    ``reading.payload`` stays None). First the warm ranks of ``n`` are started, and what a
+    no-op launch on them costs is measured (``reading.allowance``; 0 bytes when measured),
+    so that only the graded call is counted."""
+    reading = Reading()
+    if not private_loopback():
+        yield reading
+        return
+    from distlab import launch
+
+    launch.run(_noop, world_size, backend=backend)  # the graded call finds warm ranks
+    before = counters()
+    launch.run(_noop, world_size, backend=backend)
+    after = counters()
+    reading.allowance = max(0, after[0] - before[0] - HEADER * (after[1] - before[1]))
+    start = counters()
+    try:
+        yield reading
+    finally:
+        end = counters()
+        reading.bytes, reading.packets = end[0] - start[0], end[1] - start[1]
+
+
+def gloo_bytes(op: str, nbytes: int, world_size: int) -> int:
+    """Bytes gloo puts on the wire, all ranks together, for one ``op`` whose message is
+    ``nbytes`` as CommLog counts it (:data:`_GLOO`, measured)."""
+    return _GLOO[op](world_size) * nbytes
+
+
+def at_most(reading: Reading, expected: int, what: str) -> None:
+    """Fail (AssertionError, in words a student reads) when more than ``expected`` bytes
+    of payload crossed the wire during ``reading``, beyond :data:`TOLERANCE` and
+    :data:`SLACK`. Checks nothing when the bytes were not counted."""
+    from distlab.units import human_bytes
+
+    if reading.payload is None:
+        return
+    _checks[0] += 1
+    moved = reading.payload - reading.allowance
+    limit = int(expected * (1 + TOLERANCE)) + SLACK
+    if moved > limit:
+        raise AssertionError(
+            f"{what}: your ranks moved {human_bytes(moved)} over the network (counted by the "
+            f"grader, outside your processes), {moved / max(expected, 1):.1f}x the "
+            f"{human_bytes(expected)} expected (allowed: {TOLERANCE:.0%} more, plus "
+            f"{human_bytes(SLACK)} of headers)")
+
+
+def checks_made() -> int:
+    """Wire checks made in this process with counted bytes (the plugin reads it)."""
+    return _checks[0]
+
+
+def evidence_of(read_commlog: bool, wire_checked: bool) -> str:
+    """How a test's traffic was evidenced: "wire" (bytes counted outside the ranks),
+    "self-reported" (only a CommLog the ranks returned), or "" (no traffic checked)."""
+    return "wire" if wire_checked else "self-reported" if read_commlog else ""
