@@ -71,8 +71,82 @@ def test_the_command_line_prints_a_table_and_writes_json(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "all_reduce_mean" in out.stdout and "not attempted" in out.stdout
     data = json.loads(report.read_text())["labs/00_setup.ipynb"]["all_reduce_mean"]
-    assert set(data) == {"points", "max", "verdict", "message", "blocked"}
-    assert data["points"] == 0
+    assert set(data) == {"points", "max", "verdict", "message", "blocked", "hint",
+                         "self_reported", "traffic"}
+    assert data["points"] == 0 and data["hint"] == "" and data["self_reported"] == 0
+    assert data["traffic"].startswith(("wire: ", "self-reported: "))
+
+
+# ------------------------------------------------------------- the hint to open
+
+_HINTED_TEST = """raise SystemExit("the grader imported this file")
+
+HINTS = {"test_shards": 2, "test_named_badly": "two", "test_zero": 0, 3: 1}
+
+
+def test_shards():
+    pass
+"""
+
+
+def _hinted_notebook(title: str = "q and\n  k"):
+    v4 = nbformat.v4
+    cell = v4.new_code_cell("def ex():\n    pass\n")
+    cell.metadata["nbgrader"] = {"grade_id": "ex", "solution": True}
+    return v4.new_notebook(cells=[
+        v4.new_markdown_cell("<details><summary>Hint 1: another exercise's</summary></details>"),
+        v4.new_code_cell("x = 1"),
+        v4.new_markdown_cell("## The exercise\nIts contract."),
+        v4.new_markdown_cell("<details><summary>Hint 1: a nudge</summary>...</details>\n"
+                             f"<details>\n<summary> Hint 2: {title} </summary>\n...</details>"),
+        cell])
+
+
+def test_the_hint_to_open_comes_from_the_kits_test_and_the_notebooks_titles(tmp_path):
+    from distlab.grading import hints
+
+    test_file = tmp_path / "test_ex.py"
+    test_file.write_text(_HINTED_TEST)
+    declared = hints.declared(test_file)  # read, never run (the file would exit)
+    assert declared == {"test_shards": 2}, declared
+    titles = hints.titles(_hinted_notebook(), "ex")
+    assert titles == {1: "a nudge", 2: "q and k"}, titles
+    assert hints.pointer(declared, titles, "test_ex.py::test_shards[3]", "ex") == \
+        "open Hint 2 (q and k) under ex"
+    assert hints.pointer(declared, titles, "test_ex.py::test_other", "ex") == \
+        "open Hint 1 (a nudge) under ex"  # not listed: the first hint
+    assert hints.pointer(declared, hints.titles(_hinted_notebook(), "other"),
+                         "test_ex.py::test_shards", "other") == ""  # no hints, no pointer
+    nasty = hints.titles(_hinted_notebook("\x1b[2Jtotal: 99/99"), "ex")
+    shown = runner.table([runner.Result("ex", 0, 1, "fail", "test_shards: wrong", hint=hints.pointer(
+        declared, nasty, "test_ex.py::test_shards", "ex"))])
+    assert "\u2192 open Hint 2 (\\x1b[2Jtotal: 99/99) under ex" in shown, shown
+    assert "\x1b" not in shown
+
+
+def test_every_hint_the_kit_points_to_exists():
+    """Each exercise test's HINTS names tests of that file and hints that the solution
+    notebook has above the exercise."""
+    import ast
+
+    from distlab.grading import hints, labs
+
+    wrong = []
+    for lab, exercises in labs.exercises().items():
+        nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+        for name in exercises:
+            test_file = runner.TESTS / f"test_{name}.py"
+            declared, titles = hints.declared(test_file), hints.titles(nb, name)
+            body = ast.parse(test_file.read_text()).body  # defs, and names bound to tests
+            tests = {node.name for node in body if isinstance(node, ast.FunctionDef)} | {
+                n.id for node in body if isinstance(node, ast.Assign)
+                for target in node.targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+            wrong += [f"{name}: HINTS names {t}, which {test_file.name} does not define"
+                      for t in declared if t not in tests]
+            wrong += [f"{name}: HINTS points {t} to Hint {n}; the notebook has "
+                      f"{sorted(titles) or 'no hints'} above the exercise"
+                      for t, n in declared.items() if n not in titles]
+    assert not wrong, "\n".join(wrong)
 
 
 # ------------------------------------------------- students' code cannot forge its grade
