@@ -158,6 +158,32 @@ def fp16_skip(group):
     return stepped, scales
 
 
+def fp32_runs(rank, world, group):
+    """The awkward GPT in float32, 3 AdamW steps: the weights of DataParallel and of
+    stages 2 and 3 (default persistence, and with none), and, for stage 3 after its first
+    backward, each parameter's shape and gradient as ``named_parameters()`` shows them."""
+    out = {}
+    for kind, threshold in (("dp", None), ("stage2", None), ("stage3", None), ("stage3", 0)):
+        model = awkward(torch.float32)
+        if kind == "dp":
+            net = DataParallel(model, group=group)
+            opt = torch.optim.AdamW([p for p in model.parameters()], **ADAMW)
+        else:
+            net = FullyShardedDataParallel(model, group=group, shard_parameters=kind == "stage3",
+                                           persistence_threshold=threshold)
+            opt = torch.optim.AdamW(net.parameters(), **ADAMW)
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss_of(net, step, rank, world).backward()
+            net.finish_gradient_synchronization()
+            if step == 0 and kind == "stage3" and threshold is None:
+                out["seen"] = {n: (tuple(p.shape), None if p.grad is None else p.grad.clone())
+                               for n, p in net.named_parameters()}
+            opt.step()
+        out[kind, threshold] = weights(model, net)
+    return out
+
+
 def bad_input():
     out = []
     for call in (lambda: FullyShardedDataParallel(lambda x: x),
@@ -201,6 +227,8 @@ def cases(group, solo):
                     for kind in ("stage0", "stage1", "stage2", "stage3")}
     out["fp16"] = fp16_skip(group)
     out["groups"] = with_groups(sharded_adamw, rank, world, group)
+    if world == 2:
+        out["fp32"] = fp32_runs(rank, world, group)
     return out
 
 
@@ -320,13 +348,16 @@ def comm(world, kind):
 
 
 def units_of(kind):
-    """Flat buffer sizes: one per dtype for the optimizer; per block plus the root for
-    the wrapper (the root holds the tied embedding, positions, final norm, unused)."""
+    """Flat buffer sizes: one per dtype for the optimizer; for the wrapper, per block
+    and the root (tied embedding, positions) the matrices, sharded, and every vector
+    (norms, biases, the frozen ln_f.bias, unused), replicated, last."""
     model = awkward()
     if kind.startswith("stage1"):
         return [sum(p.numel() for p in model.parameters())]
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    return blocks + [sum(p.numel() for p in model.parameters()) - sum(blocks)]
+    blocks = [sum(p.numel() for p in b.parameters() if p.dim() > 1) for b in model.blocks]
+    vectors = sum(p.numel() for p in model.parameters() if p.dim() <= 1)
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() > 1)
+    return blocks + [matrices - sum(blocks), vectors]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -334,17 +365,25 @@ def test_traffic_is_what_each_stage_should_move(world):
     """Bytes as nccl-tests counts them (an all-gather's output, a reduce-scatter's
     input), padded to equal pieces: stage 1 and 2 one reduce-scatter and one all-gather
     of Ψ per step, stage 3 one more all-gather, stage 1 after DataParallel an all-reduce
-    of its buckets in place of the reduce-scatter."""
-    padded = {kind: sum(world * -(-n // world) for n in units_of(kind)) * 8 for kind in KINDS}
+    of its buckets in place of the reduce-scatter; stages 2 and 3 one all-reduce of the
+    replicated vectors, whose Ψ' elements no other collective moves."""
+    sharded = {kind: units_of(kind)[:-1] if kind != "stage1" else units_of(kind)
+               for kind in KINDS}
+    padded = {kind: sum(world * -(-n // world) for n in units) * 8
+              for kind, units in sharded.items()}
     expected = {"stage1": {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1},
                 "stage2": {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 1},
                 "stage3": {"reduce_scatter_tensor": 1, "all_gather_into_tensor": 2}}
     for kind, ops in expected.items():
         for rank, log in enumerate(comm(world, kind)):
-            assert set(log.ops()) == set(ops), (kind, log.summary())
+            want = set(ops) | ({"all_reduce"} if kind != "stage1" else set())
+            assert set(log.ops()) == want, (kind, log.summary())
             for op, times in ops.items():
-                assert log.count(op) == STEPS * times * len(units_of(kind)), (kind, op)
+                assert log.count(op) == STEPS * times * len(sharded[kind]), (kind, op)
                 assert log.nbytes(op) == STEPS * times * padded[kind], (kind, op, rank)
+            if kind != "stage1":
+                assert log.count("all_reduce") == STEPS, (kind, log.summary())
+                assert log.nbytes("all_reduce") == STEPS * units_of(kind)[-1] * 8, kind
     # DataParallel's buckets: every trainable parameter's gradient (zeros for the unused
     # one) and a flag per parameter that says whether any rank produced it
     trainable = [p for p in awkward().parameters() if p.requires_grad]
@@ -382,6 +421,41 @@ def test_a_state_dict_saved_on_3_ranks_continues_on_4():
     for rank, final in enumerate(launch.run(resume, 4, state, backend="gloo", timeout=60)):
         for name, value in final.items():
             torch.testing.assert_close(value, ref_weights[name], msg=f"rank {rank}: {name}")
+
+
+def test_fp32_at_two_ranks_is_bitwise_data_parallel():
+    """fp32, 2 ranks: every weight after 3 AdamW steps is bit for bit DataParallel's, for
+    stage 2 and stage 3 with and without replicated vectors (the same sum, then the same
+    division by 2, of the same gradients); so stage 3 equals one process wherever data
+    parallelism does."""
+    for rank, r in enumerate(results(2)):
+        runs = r["fp32"]
+        dp = runs["dp", None]
+        for key in (("stage2", None), ("stage3", None), ("stage3", 0)):
+            for name, value in dp.items():
+                assert torch.equal(runs[key][name].float(), value.float()), (rank, key, name)
+    dp = results(2)[0]["fp32"]["dp", None]
+    assert not torch.equal(dp["tok_emb.weight"], awkward(torch.float32).tok_emb.weight), \
+        "the weights moved"
+
+
+def test_vectors_stay_replicated_with_their_shape_and_gradient():
+    """Default persistence: each vector (norms, biases, one dimension) is whole on both
+    ranks, with the same averaged gradient (None for the frozen and the unused one);
+    every matrix is a 1-D piece whose sizes add up to the matrix."""
+    model = awkward(torch.float32)
+    full = dict(model.named_parameters())
+    seen = [r["fp32"]["seen"] for r in results(2)]
+    assert seen[0].keys() == seen[1].keys() == full.keys()
+    for name, p in full.items():
+        (shape0, grad0), (shape1, grad1) = seen[0][name], seen[1][name]
+        if p.dim() <= 1:
+            assert shape0 == shape1 == tuple(p.shape), name
+            assert (grad0 is None) == (grad1 is None) == (name in ("ln_f.bias", "unused")), name
+            if grad0 is not None:
+                assert torch.equal(grad0, grad1) and grad0.shape == p.shape, name
+        else:
+            assert len(shape0) == len(shape1) == 1 and shape0[0] + shape1[0] == p.numel(), name
 
 
 # ------------------------------------------------------------------------ memory
@@ -520,7 +594,8 @@ def test_the_gpu_bench_runs_on_cpus_and_reports():
     runs = results[0]["speed"]["runs"]
     for opt_name in zero_bench.OPTIMIZERS:
         ours, theirs = runs[opt_name]["ZeRO-3"]["traffic"], runs[opt_name]["FSDP2"]["traffic"]
-        assert set(ours) == set(theirs) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+        assert set(theirs) == {"all_gather_into_tensor", "reduce_scatter_tensor"}
+        assert set(ours) == set(theirs) | {"all_reduce"}   # our replicated vectors' gradients
         # FSDP2 keeps the root gathered from forward to backward; both reduce everything
         assert ours["all_gather_into_tensor"][0] == theirs["all_gather_into_tensor"][0] + 1
     text = zero_bench.report(results)

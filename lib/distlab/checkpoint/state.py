@@ -80,14 +80,16 @@ def _is_tp(module: nn.Module) -> bool:
 def _fsdp_pieces(fsdp) -> list:
     """(every name of the parameter, its piece, layout) for each parameter of a
     FullyShardedDataParallel: the piece is this rank's range of its flat buffer, in the
-    master dtype (a tied parameter lies in one unit, under each of its names)."""
+    master dtype, or the whole parameter in its replicated unit (a tied parameter lies in
+    one unit, under each of its names)."""
     where = {id(m): name for name, m in fsdp.module.named_modules(remove_duplicate=False)}
     out = []
     for unit in fsdp._units:
         flat = unit.flat
         for p, piece, (lo, hi), slots in zip(flat.params, flat.pieces, flat.ranges, unit.slots):
             names = [f"{where[id(owner)]}.{attr}".lstrip(".") for owner, attr in slots]
-            out.append((names, piece, _flat_range(p.shape, lo, hi)))
+            out.append((names, piece, _Layout.whole(p.shape) if flat.replicated else
+                        _flat_range(p.shape, lo, hi)))
     return out
 
 

@@ -15,7 +15,10 @@ buffer in the compute dtype, this rank's shard of it kept as fp32 (or wider) mas
 weights, and per parameter a *piece* (the part of the parameter inside this rank's
 shard, possibly empty) that an ordinary ``torch.optim`` optimizer updates. The stages
 differ only in what they keep: :mod:`distlab.zero.optimizer` (stage 1) and
-:mod:`distlab.zero.fsdp` (stages 2 and 3) are built from it.
+:mod:`distlab.zero.fsdp` (stages 2 and 3) are built from it. A unit built with
+``replicate=True`` is kept whole on every rank (the persistent parameters of
+DeepSpeed's ZeRO-3): no gather, its gradients all-reduced (mean), its pieces the whole
+parameters, with their shapes.
 """
 from __future__ import annotations
 
@@ -102,6 +105,17 @@ def reduce_scatter_mean(flat: torch.Tensor, layout: Layout, group=None,
     return Pending(work if async_op else None, lambda: out[:end - start].div_(world))
 
 
+def all_reduce_mean(flat: torch.Tensor, group=None, async_op: bool = False) -> Pending:
+    """The mean of ``flat`` over the group, in place: one all-reduce (SUM, then the same
+    division as :func:`reduce_scatter_mean`, so a replicated gradient is rounded as a
+    sharded one and as :class:`distlab.dp.DataParallel`'s)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return Pending(None, lambda: flat)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return Pending(work if async_op else None, lambda: flat.div_(world))
+
+
 def all_gather_shards(shard: torch.Tensor, layout: Layout, out: torch.Tensor, group=None,
                       async_op: bool = False) -> Pending:
     """Fill ``out`` (``numel`` elements) with every rank's shard; ``shard`` is this
@@ -124,8 +138,15 @@ def source_rank(group) -> int:
     return dist.get_global_rank(group, 0) if group is not None else 0
 
 
+class Replicated(int):
+    """The element count of a unit kept whole on every rank (``FlatParams(...,
+    replicate=True)``): an ``int`` that :mod:`distlab.zero.memory`'s accounting counts
+    whole on each rank instead of sharding it."""
+
+
 class FlatParams:
-    """Parameters of one ZeRO unit in one flat buffer, sharded over ``group``.
+    """Parameters of one ZeRO unit in one flat buffer, sharded over ``group`` (or, with
+    ``replicate=True``, kept whole on every rank of it).
 
     - :attr:`full`: every element in the compute dtype; the parameters' ``.data`` are
       views into it. :meth:`free` releases its memory (the views stay, with no storage)
@@ -138,10 +159,14 @@ class FlatParams:
 
     At construction the group's first rank broadcasts its values, so every rank starts
     from the same weights.
+
+    ``replicate=True``: every rank's "shard" is the whole buffer, each piece the whole
+    parameter with its shape, :meth:`gather` a local cast, and :meth:`reduce_grads` an
+    all-reduce (mean); :attr:`numel` is then a :class:`Replicated`.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], group=None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, replicate: bool = False):
         if not named_params:
             raise ValueError("a ZeRO unit needs at least one parameter")
         self.names = [n for n, _ in named_params]
@@ -156,9 +181,10 @@ class FlatParams:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.numels = [p.numel() for p in self.params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
-        self.numel = sum(self.numels)
-        self.layout = Layout(self.numel, self.world_size)
-        self.start, self.end = self.layout.bounds(self.rank)
+        self.replicated = replicate
+        self.numel = (Replicated if replicate else int)(sum(self.numels))
+        self.layout = Layout(self.numel, 1 if replicate else self.world_size)
+        self.start, self.end = self.layout.bounds(0 if replicate else self.rank)
         self.dtype = compute_dtype or param_dtype
         self.master_dtype = torch.promote_types(param_dtype, torch.float32)
         with torch.no_grad():
@@ -175,6 +201,8 @@ class FlatParams:
             self.ranges.append((lo - off, hi - off))
             local = self.master[lo - self.start:hi - self.start] if hi > lo else \
                 self.master[:0]
+            if replicate:
+                local = local.view(p.shape)
             self.pieces.append(nn.Parameter(local, requires_grad=p.requires_grad))
 
     # ------------------------------------------------------------------ parameters
@@ -222,7 +250,8 @@ class FlatParams:
             flat = torch.cat([p.grad.reshape(-1).to(self.dtype) if p.grad is not None else
                               p.new_zeros(n, dtype=self.dtype)
                               for p, n in zip(self.params, self.numels)])
-            pending = reduce_scatter_mean(flat, self.layout, self.group, async_op)
+            pending = all_reduce_mean(flat, self.group, async_op) if self.replicated else \
+                reduce_scatter_mean(flat, self.layout, self.group, async_op)
         return Pending(pending.work, lambda: self._add_to_pieces(pending.finish(), had))
 
     def take_averaged_grads(self) -> None:
@@ -231,7 +260,8 @@ class FlatParams:
         with torch.no_grad():
             for p, piece, (lo, hi) in zip(self.params, self.pieces, self.ranges):
                 if p.grad is not None:
-                    piece.grad = p.grad.reshape(-1)[lo:hi].to(self.master_dtype, copy=True)
+                    piece.grad = p.grad.reshape(-1)[lo:hi].to(
+                        self.master_dtype, copy=True).view(piece.shape)
 
     def _add_to_pieces(self, shard: torch.Tensor, had: list[bool]) -> None:
         """Add this rank's reduced shard (compute dtype) to the pieces' gradients (master
@@ -242,7 +272,7 @@ class FlatParams:
                     continue
                 lo, hi = self.ranges[i]
                 at = self.offsets[i] + lo - self.start
-                g = shard[at:at + hi - lo]
+                g = shard[at:at + hi - lo].view(piece.shape)
                 if piece.grad is None:
                     piece.grad = g.to(self.master_dtype, copy=True)
                 else:

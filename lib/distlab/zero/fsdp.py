@@ -13,9 +13,20 @@ transformer blocks) and the root (everything else: embeddings, final norm, head)
 unit is one flat buffer (:class:`FlatParams`) sharded the ``torch.tensor_split`` way:
 per rank, fp32 master weights of its shard, exposed as ``parameters()`` so that any
 torch optimizer updates them, holding state for 1/N of the elements. A parameter shared
-by two units (tied embeddings) belongs to the root. Unlike DeepSpeed's
-``stage3_param_persistence_threshold`` nothing stays replicated: norms and biases travel
-inside their block's buffer, so they cost no collective of their own.
+by two units (tied embeddings) belongs to the root.
+
+Small parameters stay replicated, as DeepSpeed's ``stage3_param_persistence_threshold``
+keeps them ("do not partition parameters smaller than this threshold"): by default
+every parameter with one dimension or none (norm weights, biases), or, given
+``persistence_threshold=n``, every parameter of at most ``n`` elements (0: none). They
+form one more unit, kept whole on every rank (``FlatParams(..., replicate=True)``):
+each keeps its shape in ``parameters()`` and gets the same averaged gradient on every
+rank (one all-reduce of all of them per step, 2Ψ' for their Ψ' elements), so that code
+which runs one collective per parameter, or compares them across ranks, sees the same
+tensors everywhere. A sharded parameter's piece is a 1-D slice of its unit's buffer,
+whose size differs by rank (empty on some): FSDP2 (``fully_shard``) splits each
+parameter along dim 0 instead, so that every piece keeps its parameter's meaning;
+lab 05 says why torch moved there.
 
 Per training step and unit, with hooks on the unmodified model:
 
@@ -33,7 +44,12 @@ next one is issued, as FSDP2 does, so at most two units' gradient buffers are al
 once, not every unit's until the end of backward. The all-gather of updated weights
 happens at the next forward, after the optimizer step.
 Traffic per step and rank: stage 2 an all-gather and a reduce-scatter of Ψ (2Ψ, like
-data parallelism); stage 3 one more all-gather (3Ψ).
+data parallelism); stage 3 one more all-gather (3Ψ); the replicated parameters an
+all-reduce (2Ψ') in both.
+
+In fp32, a step at world size 2 is bitwise equal to :class:`distlab.dp.DataParallel`'s
+(the same sum, then the same division by 2, of the same gradients), so it equals one
+process wherever data parallelism does.
 
 ``shard_parameters=False`` gives stage 2: parameters stay whole on every rank between
 steps (re-gathered at each forward), gradients and optimizer states are sharded.
@@ -60,8 +76,8 @@ class _Unit:
     its parameters is registered (``slots``) so the module can show the pieces while
     the full buffer is freed."""
 
-    def __init__(self, flat: FlatParams, module: nn.Module, slots: list):
-        self.flat, self.module, self.slots = flat, module, slots
+    def __init__(self, flat: FlatParams, module: nn.Module | None, slots: list):
+        self.flat, self.module, self.slots = flat, module, slots   # module None: replicated
         self.expected = sum(p.requires_grad for p in flat.params)
         self.deferred = any(not p.requires_grad for p in flat.params)
         self.ready = 0
@@ -75,20 +91,23 @@ class _Unit:
 
 class FullyShardedDataParallel(nn.Module):
     """``FullyShardedDataParallel(module, compute_dtype=None, group=None,
-    shard_parameters=True, units=None, prefetch=True)``: ZeRO stage 3 of ``module``
-    over the ranks of ``group`` (stage 2 with ``shard_parameters=False``).
+    shard_parameters=True, units=None, prefetch=True, persistence_threshold=None)``:
+    ZeRO stage 3 of ``module`` over the ranks of ``group`` (stage 2 with
+    ``shard_parameters=False``).
 
     ``compute_dtype`` (e.g. ``torch.bfloat16``): the dtype of the gathered parameters
     and of the gradients' reduce-scatter; master weights stay fp32. ``units``: the
     submodules gathered one at a time (default: the elements of every ``nn.ModuleList``).
-    Between steps in stage 3 ``.module``'s parameters are this rank's pieces; use
+    ``persistence_threshold``: the parameters kept whole on every rank (None: those with
+    at most one dimension; an int: those of at most that many elements; 0: none).
+    Between steps in stage 3 ``.module``'s sharded parameters are this rank's pieces; use
     :meth:`gather_full_params` for the whole weights. Move the model to its device
     before wrapping it.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  group=None, shard_parameters: bool = True, units=None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, persistence_threshold: int | None = None):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got "
@@ -104,14 +123,14 @@ class FullyShardedDataParallel(nn.Module):
         self._prepared: set[_Unit] = set()
         self._reduced: set[_Unit] = set()
         self._callback_queued = False
-        self._units = self._build_units(module, compute_dtype, units)
+        self._units = self._build_units(module, compute_dtype, units, persistence_threshold)
         self._root = next((u for u in self._units if u.module is module), None)
         with torch.no_grad():
             for b in module.buffers():
                 dist.broadcast(b, src=source_rank(group), group=group)
         me = weakref.ref(self)   # the model's hooks must not keep a dropped wrapper alive
         for i, unit in enumerate(self._units):
-            if unit.module is not module:
+            if unit.module is not None and unit.module is not module:
                 unit.module.register_forward_pre_hook(
                     functools.partial(_hook, me, "_pre_forward", i))
                 unit.module.register_forward_hook(functools.partial(_hook, me, "_post_forward", i))
@@ -119,10 +138,10 @@ class FullyShardedDataParallel(nn.Module):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(
                         functools.partial(_hook, me, "_grad_ready", i))
-            if shard_parameters:
+            if shard_parameters and unit.module is not None:
                 self._free(unit)
 
-    def _build_units(self, module, compute_dtype, units) -> list[_Unit]:
+    def _build_units(self, module, compute_dtype, units, threshold) -> list[_Unit]:
         if units is None:
             units = []
 
@@ -152,12 +171,19 @@ class FullyShardedDataParallel(nn.Module):
             for _, p in canonical:
                 if id(p) not in owner_of and all(n.startswith(lead) for n in names[id(p)]):
                     owner_of[id(p)] = m
+        kept = [(n, p) for n, p in canonical if (p.dim() <= 1 if threshold is None
+                                                 else p.numel() <= threshold)]
+        for _, p in kept:
+            owner_of[id(p)] = None
         out = []
         for m in list(units) + [module]:
             mine = [(n, p) for n, p in canonical if owner_of.get(id(p), module) is m]
             if mine:
                 flat = FlatParams(mine, self.group, compute_dtype)
                 out.append(_Unit(flat, m, [slots[id(p)] for _, p in mine]))
+        if kept:
+            flat = FlatParams(kept, self.group, compute_dtype, replicate=True)
+            out.append(_Unit(flat, None, [slots[id(p)] for _, p in kept]))
         return out
 
     # ------------------------------------------------------------------ the step
@@ -176,7 +202,9 @@ class FullyShardedDataParallel(nn.Module):
         self.finish_gradient_synchronization()
         for unit in self._units:
             unit.ready = 0
-            if not self.shard_parameters:
+            if unit.module is None:       # replicated: its compute copy from the updated master
+                unit.flat.gather().wait()
+            elif not self.shard_parameters:
                 unit.fresh = False        # stage 2: gather the updated weights once a step
         self._prepared.clear()
         self._reduced.clear()
@@ -225,7 +253,7 @@ class FullyShardedDataParallel(nn.Module):
         pending = unit.flat.reduce_grads(async_op=True)
         for p in unit.flat.params:
             p.grad = None
-        if self.shard_parameters:
+        if self.shard_parameters and unit.module is not None:
             self._free(unit)
         self.finish_gradient_synchronization()    # the previous unit's, long done by now
         self._reducing.append(pending)
@@ -277,7 +305,8 @@ class FullyShardedDataParallel(nn.Module):
                 yield prefix + name, piece
 
     def flat_params(self) -> list[FlatParams]:
-        """The units' flat buffers, root last."""
+        """The units' flat buffers: the blocks', the root's, then the replicated one (its
+        ``numel`` a :class:`~distlab.zero.flat.Replicated`)."""
         return [unit.flat for unit in self._units]
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:

@@ -41,6 +41,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from distlab.shards import shard_range
+from distlab.zero.flat import Layout, Replicated
+
 STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -81,18 +84,25 @@ def accounting(unit_numels: list[int], world_size: int, rank: int, stage: int,
                state_bytes: int = 8) -> RankBytes:
     """Exact bytes rank ``rank`` holds at the end of backward in :mod:`distlab.zero`,
     for units (flat buffers) of ``unit_numels`` elements each sharded the
-    ``torch.tensor_split`` way. Stage 0 is data parallelism with fp32 master weights
-    (a :class:`~distlab.zero.ShardedOptimizer` over a group of one rank)."""
-    from distlab.shards import shard_range
-
+    ``torch.tensor_split`` way, but for a :class:`~distlab.zero.flat.Replicated` count
+    (the persistent parameters of stages 2 and 3), whole on every rank, weights
+    included. Stage 0 is data parallelism with fp32 master weights (a
+    :class:`~distlab.zero.ShardedOptimizer` over a group of one rank)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     total = sum(unit_numels)
-    shard = total if stage == 0 else sum(
-        end - start for start, end in (shard_range(n, rank, world_size) for n in unit_numels))
-    return RankBytes(params=total * param_bytes if stage < 3 else 0,
+    whole = sum(n for n in unit_numels if isinstance(n, Replicated))
+    shard = total if stage == 0 else _shard_total(unit_numels, world_size, rank)
+    return RankBytes(params=total * param_bytes if stage < 3 else whole * param_bytes,
                      grads=total * grad_bytes if stage < 2 else shard * master_bytes,
                      master=shard * master_bytes, optimizer=shard * state_bytes)
+
+
+def _shard_total(unit_numels: list[int], world_size: int, rank: int) -> int:
+    """Elements rank ``rank`` holds of the units: its ``tensor_split`` shard of each, the
+    whole of a :class:`~distlab.zero.flat.Replicated` one."""
+    return sum(n if isinstance(n, Replicated) else end - start for n, (start, end) in
+               ((n, shard_range(n, rank, world_size)) for n in unit_numels))
 
 
 def live_bytes(params=(), grads=(), master=(), optimizer=None) -> RankBytes:
@@ -152,18 +162,16 @@ def step_buffers(unit_numels: list[int], world_size: int, rank: int, stage: int,
       adds its scratch; the all-gathers send a bf16 copy of the shard (``b·s``; when
       uneven, a padded chunk ``b·c`` and a padded output ``b·p``).
     """
-    from distlab.zero.flat import Layout
-
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if stage >= 2:
+        return scratch_bytes * _shard_total(unit_numels, world_size, rank)
     world = 1 if stage == 0 else world_size
     layouts = [Layout(n, world) for n in unit_numels]
     shards = [end - start for start, end in (lay.bounds(0 if stage == 0 else rank)
                                              for lay in layouts)]
     total = sum(shards)
     b, m = param_bytes, master_bytes
-    if stage >= 2:
-        return scratch_bytes * total
     if stage == 0:
         return m * total + max(scratch_bytes, b) * total
     padded = [0 if lay.even else b * lay.padded_numel for lay in layouts]
