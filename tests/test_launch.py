@@ -143,6 +143,32 @@ def test_bad_input_gets_errors_that_name_the_fix():
         launch.run(_rank_and_pid, 1, threading.Lock())
 
 
+def test_a_world_the_machine_cannot_hold_is_refused_before_any_rank_starts(monkeypatch):
+    """launch.run(fn, 10000) once ran the machine out of memory and the caller was killed:
+    now it is refused at once, saying why and how many ranks fit."""
+    from distlab.runtime import pool
+
+    start = time.monotonic()
+    with pytest.raises(launch.LaunchError, match=r"world_size=10000 is more ranks than this "
+                                                 r"machine can start: each rank is a process"):
+        launch.run(_rank_and_pid, 10000, 0, backend="gloo", isolated=True)
+    assert time.monotonic() - start < 5, "refused before any rank started"
+    monkeypatch.setattr(pool, "available_mb", lambda: 10 * pool.RANK_MB + 5)
+    with pytest.raises(launch.LaunchError, match=r"room for 10 ranks\. Ask for at most 10"):
+        launch.run(_rank_and_pid, 11, 0, backend="gloo", isolated=True)
+
+
+def _nested(world_size):
+    return launch.run(dist.get_rank, world_size)
+
+
+def test_a_launch_inside_a_launch_of_another_size_says_what_to_do():
+    assert launch.run(_nested, 2, 2, backend="gloo") == [[0, 1], [0, 1]]
+    with pytest.raises(launch.RankError, match=r"launch.run\(\.\.\., 3\) was called inside a "
+                                               r"launched function, on a rank of a launch of 2"):
+        launch.run(_nested, 2, 3, backend="gloo")
+
+
 def test_an_unpicklable_result_and_a_missing_package_are_explained():
     def generator():
         return (i for i in range(3))

@@ -191,6 +191,13 @@ def _run_here(fn, world_size, args, kwargs, backend, timeout) -> list:
                                 timeout=datetime.timedelta(seconds=timeout))
         # leave the group before interpreter teardown, or gloo's threads abort the process
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    if dist.get_world_size() != world_size and worker.current is not None:
+        raise LaunchError(
+            f"launch.run(..., {world_size}) was called inside a launched function, on a rank "
+            f"of a launch of {dist.get_world_size()} ranks: there run() calls the function "
+            f"on the ranks already running (nested launches start no ranks), so the world "
+            f"sizes must match. Call the function directly inside the launched one, or call "
+            f"launch.run(fn, {world_size}) from the notebook or script, outside any launch")
     if dist.get_world_size() != world_size:
         raise LaunchError(
             f"this launch asks for {world_size} ranks but the running group has "
