@@ -195,6 +195,22 @@ def test_progress_reports_from_rank_zero(capsys):
     assert "steps" in capsys.readouterr().err, "rank 0 drives a progress bar in the caller"
 
 
+def _tqdm_bar(steps):
+    from tqdm import tqdm
+
+    for _ in tqdm(range(steps), desc="steps", mininterval=0, miniters=1, ascii=True):
+        pass
+
+
+def test_a_progress_bar_in_a_rank_prints_what_a_terminal_shows(capfd):
+    """A 50-step tqdm bar in a rank (50 carriage-return redraws) printed 53 lines; a
+    terminal shows one, the bar's last state."""
+    launch.run(_tqdm_bar, 1, 50, backend="gloo")
+    lines = [line for line in capfd.readouterr().err.splitlines() if "steps" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("[rank 0] steps: 100%") and "50/50" in lines[0], lines
+
+
 def test_many_launches_in_parallel_never_collide():
     """Each pool rendezvouses through a file of its own, and gloo connects on ports the
     OS picks: parallel launches never collide."""

@@ -26,7 +26,8 @@ class Shown:
 
     def lines(self, rank: int, stream: str) -> list[str]:
         data = self.pending[rank, stream]
-        return self.kept[rank, stream] + data.decode(errors="replace").splitlines()
+        return self.kept[rank, stream] + [as_displayed(line) for line in _lines(
+            data.decode(errors="replace"))]
 
     def show(self, partial: bool, wait_s: float = 0.0) -> None:
         """Print the complete lines read so far (and a last unfinished one if
@@ -37,10 +38,17 @@ class Shown:
                 data = self.pending[r.rank, s]
                 cut = len(data) if partial else data.rfind(b"\n") + 1
                 text, self.pending[r.rank, s] = data[:cut].decode(errors="replace"), data[cut:]
-                for line in text.splitlines():
-                    self.kept[r.rank, s].append(line)
+                for line in _lines(text):
+                    self.kept[r.rank, s].append(as_displayed(line))
                     target.write(f"[rank {r.rank}] {as_displayed(line)}\n")
             target.flush()
+
+
+def _lines(text: str) -> list[str]:
+    """``text`` cut at line feeds only: a carriage return redraws its line (a progress
+    bar's 50 steps are one line), it does not start another, as ``str.splitlines`` has it."""
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
 
 
 def as_displayed(line: str) -> str:
