@@ -72,7 +72,7 @@ def results(tmp_path_factory):
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
     r = results[name]
     verdict, says = EXPECTED[name]
-    assert r.exercise == NAME and r.points < r.max_points == 9, r
+    assert r.exercise == NAME and r.points < r.max_points == 11, r
     assert r.verdict == verdict, r
     for words in says:
         assert words in r.message, f"{name}: {words!r} not in {r.message!r}"

@@ -8,6 +8,12 @@ from distlab import pp
 from pp_cases import NOT_INTS, answer, check_bad_sizes, check_not_ints, check_own_answer
 
 NOTEBOOK = "07_pipeline_parallel"
+# The hint to open (lab 07, section 3) beside each test's failure: 1 the formula's two
+# counts, 2 the sizes that must raise.
+HINTS = {"test_matches_the_ideal_schedule": 1, "test_one_stage_has_no_bubble": 1,
+         "test_many_micro_batches_shrink_the_bubble": 1, "test_returns_a_float": 1,
+         "test_bad_sizes_raise_value_error": 2, "test_non_integers_raise_value_error": 2,
+         "test_writes_its_own_answer": 1}
 NAME = "bubble_fraction"
 GRID = [(p, m) for p in (4, 2, 8, 3, 1, 5, 6, 7) for m in (8, 1, 3, 16, 2, 4, 5, 7, 12)]
 LIMITS = [(p, m) for p in (2, 4, 8) for m in (1, 4, 16, 64, 1024)]

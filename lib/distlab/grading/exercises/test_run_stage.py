@@ -39,6 +39,15 @@ from pp_cases import CFG, LANG, SEQ, sgd
 NOTEBOOK = "07_pipeline_parallel"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
+# The hint to open (lab 07, section 4) beside each test's failure: 1 what each action needs,
+# 2 the loss and the backward, 3 grouping the transfers, 4 the first exchange with each
+# neighbour, 5 the tied embedding, 6 the whole recipe (with the checks of the arguments).
+HINTS = {"test_gpipe_on_2_stages": 1, "test_1f1b_on_2_stages": 3, "test_one_micro_batch": 4,
+         "test_a_batch_smaller_than_m_raises_value_error": 6,
+         "test_mismatched_shapes_raise_value_error": 6,
+         "test_a_wrong_group_raises_value_error": 6, "test_gpipe_on_4_stages": 3,
+         "test_1f1b_on_4_stages": 3, "test_micro_batches_of_unequal_sizes": 2,
+         "test_3_stages_inside_a_group": 6}
 TIMEOUT = 30  # seconds per launch; a correct one takes one or two (a few on a loaded machine)
 STEPS, LR = 2, 0.5
 FROZEN, UNUSED = "blocks.0.ln1.bias", "blocks.1.unused"
@@ -92,23 +101,65 @@ def train(run_stage, schedule, m, batch, members=None):
             "log": log.records()}
 
 
-def errors(run_stage):
-    """What run_stage does with sizes that make no sense (every rank alike, so a correct
-    answer raises before any call)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    cases = {"a batch of 2 rows in 3 micro-batches": (pp.build_schedule("gpipe", world, 3),
-                                                      *LANG.batch(0, 2, SEQ))}
-    for name, (table, inputs, targets) in cases.items():
-        stage = pp.Stage(make_model(), rank, world)
+# Each promised ValueError, one launch of 2 ranks per case; every rank sees the same
+# mistake, so a correct answer raises on both before any call.
+ERRORS = {
+    "a batch of 2 rows in 3 micro-batches": "batch",
+    "targets of another shape than the inputs, (6, 8) and (6, 7)": "shape",
+    "inputs and targets of one dimension, (48,)": "shape",
+    "a stage of a 3-stage cut on a group of 2 ranks": "group",
+    "stage 1 on group rank 0 and stage 0 on group rank 1": "group",
+}
+
+
+def error_case(run_stage, case):
+    """What run_stage does in ``case`` (of :data:`ERRORS`) on this rank: "ValueError", the
+    name of another exception, or what it returned."""
+    rank = dist.get_rank()
+    inputs, targets = LANG.batch(0, 6, SEQ)
+    index, stages, m = rank, 2, 2
+    if case.startswith("a batch of 2 rows"):
+        (inputs, targets), m = LANG.batch(0, 2, SEQ), 3
+    elif case.startswith("targets of another shape"):
+        targets = targets[:, 1:]
+    elif case.startswith("inputs and targets of one dimension"):
+        inputs, targets = inputs.flatten(), targets.flatten()
+    elif case.startswith("a stage of a 3-stage cut"):
+        stages = 3
+    else:
+        index = 1 - rank
+    stage = pp.Stage(make_model(), index, stages)
+    try:
+        got = run_stage(stage, pp.build_schedule("gpipe", stages, m), inputs, targets)
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        return type(exc).__name__
+    return f"returned {type(got).__name__}"
+
+
+def check_raises(student, kind):
+    """Each case of ``kind`` raises ValueError on both ranks, before any transfer. Counted
+    only for an answer that runs a step (GPipe on 2 stages, the first test's launch,
+    cached): one that raises whatever it is given, or calls the library's refused
+    answer, earns nothing here."""
+    outcome(student, "gpipe", 2, *RUNS["gpipe"][2])
+    for case in (c for c, k in ERRORS.items() if k == kind):
+        what = f"run_stage on 2 ranks with {case}"
         try:
-            got = run_stage(stage, table, inputs, targets)
-            out[name] = f"returned {type(got).__name__}"
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            out[name] = type(exc).__name__
-    return out
+            ranks = launch.run(error_case, 2, student.run_stage, case, backend="gloo",
+                               timeout=TIMEOUT / 2)
+        except launch.LaunchTimeout:
+            raise AssertionError(f"{what}: the stages waited for each other until the time "
+                                 f"limit; check the arguments and raise ValueError on every "
+                                 f"stage before any transfer") from None
+        except launch.RankError as exc:
+            if exc.exc_type == "NotImplementedError":
+                raise
+            raise AssertionError(f"{what}: {str(exc).splitlines()[0]}") from None
+        for rank, got in enumerate(ranks):
+            assert got == "ValueError", (f"{what}: rank {rank}: {got}; raise ValueError on "
+                                         f"every stage, before any transfer")
 
 
 # ----------------------------------------------------------------- in the test process
@@ -358,10 +409,15 @@ def test_one_micro_batch(student):
 
 
 def test_a_batch_smaller_than_m_raises_value_error(student):
-    ranks = launch.run(errors, 2, student.run_stage, backend="gloo", timeout=TIMEOUT / 2)
-    for case, got in ranks[0].items():
-        assert got == "ValueError", (f"run_stage on 2 stages with {case}: {got}; raise "
-                                     f"ValueError on every stage, before any transfer")
+    check_raises(student, "batch")
+
+
+def test_mismatched_shapes_raise_value_error(student):
+    check_raises(student, "shape")
+
+
+def test_a_wrong_group_raises_value_error(student):
+    check_raises(student, "group")
 
 
 def test_gpipe_on_4_stages(student):
