@@ -364,3 +364,25 @@ def test_bench_on_gpus(tmp_path):
     assert set(found) == set(tp_bench.VARIANTS)
     for name, r in found.items():
         assert r["step_s"] > 0 and 0 < r["nccl_share"] < 1, (name, r)
+
+
+def test_answers_refuse_every_library_piece_of_the_vocabulary_parallel_loss():
+    """Lab 06's core exercise: every distlab.tp function or class whose code computes part
+    of the answer (the max over the ranks, ReduceOp.MAX; the masked pick of a token's row
+    or logit, masked_fill) is named in ANSWERS, so that a student who calls it scores 0."""
+    import inspect
+
+    from distlab.grading.labs import ANSWERS
+    from distlab.tp import layers, ops, parallelize
+
+    found = set()
+    for module in (layers, ops, parallelize):
+        for name, obj in vars(module).items():
+            if ((inspect.isfunction(obj) or inspect.isclass(obj))
+                    and obj.__module__ == module.__name__):
+                source = inspect.getsource(obj)
+                if "ReduceOp.MAX" in source or "masked_fill" in source:
+                    found.add(f"{module.__name__}:{name}")
+    assert "distlab.tp.layers:vocab_parallel_cross_entropy" in found, found
+    missing = found - set(ANSWERS["vocab_parallel_cross_entropy"])
+    assert not missing, f"library code that answers vocab_parallel_cross_entropy, not refused: {missing}"

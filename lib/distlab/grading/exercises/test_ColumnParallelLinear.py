@@ -15,6 +15,19 @@ import tp_cases
 NOTEBOOK = "06_tensor_parallel"
 _tests = tp_cases.make_tests("column", "ColumnParallelLinear")
 
+# The hint under the exercise (1: rank and size within the group, 2: a shard of its own
+# memory, 3: an autograd function, 4: the whole recipe) a student failing each test opens.
+HINTS = {
+    "test_keeps_its_shard_of_weight_and_bias": 2,
+    "test_output_is_this_ranks_slice": 4,
+    "test_input_gradient_is_summed_over_the_group": 3,
+    "test_weight_and_bias_gradients": 2,
+    "test_no_collective_forward_one_all_reduce_backward": 3,
+    "test_gather_output_returns_the_whole_output": 4,
+    "test_a_group_of_two_ranks": 1,
+    "test_a_rank_outside_the_group_returns_none_at_once": 1,
+}
+
 test_keeps_its_shard_of_weight_and_bias = _tests["shards"]
 test_output_is_this_ranks_slice = _tests["output"]
 test_input_gradient_is_summed_over_the_group = _tests["input_grad"]

@@ -15,6 +15,18 @@ import tp_cases
 NOTEBOOK = "06_tensor_parallel"
 _tests = tp_cases.make_tests("row", "RowParallelLinear")
 
+# The hint under the exercise (1: where the bias goes, 2: g as an autograd function,
+# 3: the whole recipe, with the group's rank test) a student failing each test opens.
+HINTS = {
+    "test_keeps_its_shard_of_weight_and_the_whole_bias": 3,
+    "test_output_is_the_full_layers_on_every_rank": 1,
+    "test_input_gradient_stays_on_its_rank": 2,
+    "test_weight_and_bias_gradients": 1,
+    "test_one_all_reduce_forward_none_backward": 2,
+    "test_a_group_of_two_ranks": 3,
+    "test_a_rank_outside_the_group_returns_none_at_once": 3,
+}
+
 test_keeps_its_shard_of_weight_and_the_whole_bias = _tests["shards"]
 test_output_is_the_full_layers_on_every_rank = _tests["output"]
 test_input_gradient_stays_on_its_rank = _tests["input_grad"]

@@ -41,6 +41,19 @@ F64 = torch.float64
 LARGE = 1e4            # the large case's logits: exp overflows in float32 (and float64)
 PER_TOKEN_BYTES = 16   # the most one collective may move per token: two float64 numbers
 
+# The hint under the exercise a student failing each test opens (1: which parts need the
+# other ranks, 2: a stable exponent, the same on every rank, 3: the target's logit,
+# 4: the gradient, 5: the whole recipe, whose first step is the group and the width).
+HINTS = {
+    "test_the_loss_equals_cross_entropy_of_the_whole_logits": 1,
+    "test_logits_near_1e4_do_not_overflow": 2,
+    "test_the_gradient_is_this_ranks_slice_of_the_full_one": 4,
+    "test_all_reduces_of_one_number_per_token_nothing_backward": 1,
+    "test_a_group_of_two_ranks": 3,
+    "test_a_rank_outside_the_group_returns_none_at_once": 5,
+    "test_logits_of_the_wrong_width_raise_value_error": 5,
+}
+
 
 def spans(size):
     """(start, length) of each rank's tokens: torch.tensor_split's rule."""
