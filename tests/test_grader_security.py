@@ -405,6 +405,34 @@ def test_a_fifo_for_a_stack_file_cannot_hang_the_launcher(tmp_path):
     assert "not a regular file" in got[0]
 
 
+def test_a_fifo_or_a_link_for_a_status_file_cannot_hang_or_mislead_the_launcher(tmp_path):
+    from distlab.runtime.pool import Pool
+
+    class Rank:  # what _status uses of a rank
+        rank, status_path = 0, str(tmp_path / "status-0")
+
+    os.mkfifo(Rank.status_path)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(Pool._status(None, Rank())), daemon=True)
+    reader.start()
+    reader.join(15)
+    if reader.is_alive():  # unblock the old code's open() by being its writer
+        os.close(os.open(Rank.status_path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+        pytest.fail("reading a rank's status board blocked on a FIFO")
+    assert got == ["unknown: its status file is not a regular file"], got
+    os.unlink(Rank.status_path)
+    board = b"in all_reduce(4 B) since 1"
+    board = b"\1\0\0\0" + board + b"\0" * (256 - 8 - len(board)) + b"\1\0\0\0"
+    secret = tmp_path / "secret"
+    secret.write_bytes(board)
+    os.symlink(secret, Rank.status_path)  # a link is not followed: nothing read through it
+    assert Pool._status(None, Rank()) == "starting"
+    os.unlink(Rank.status_path)
+    secret.rename(Rank.status_path)  # a regular file is read
+    assert Pool._status(None, Rank()).startswith("waiting in all_reduce(4 B) for ")
+
+
 def test_no_exercise_outlives_its_time_limit_whatever_hangs(tmp_path):
     """The tests of one exercise hang in the grader's own pytest process (as a launcher
     stuck on a FIFO did), beyond any budget the plugin checks: the grader stops them

@@ -93,6 +93,20 @@ def _new_workdir(run_as) -> tuple[str, int]:
     return workdir, lock
 
 
+def _open_own(path: str) -> int | str:
+    """A descriptor of ``path``, a file in a rank's folder, which the rank's user (a
+    student's code, when grading) may have replaced: opened without following a link or
+    blocking (a FIFO once hung grading for 1038 s); "(not a regular file)" when it is not
+    one, and nothing is left open. OSError when it cannot be opened."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return "(not a regular file)"
+
+
 @contextlib.contextmanager
 def _interrupts_deferred():
     """Hold Ctrl-C back while the ranks are being killed, then deliver it: a second
@@ -341,16 +355,29 @@ class Pool:
         return {r.rank: f"{self._status(r)}; at {innermost(stacks[r.rank])}" for r in ranks}
 
     def _status(self, r: RankProcess) -> str:
-        import mmap
-
+        """Where the rank stands, from its status board. The file sits in the rank's
+        folder (the student's, when grading): opened as a stack file is (:func:`_open_own`),
+        read with pread, never mapped (a file truncated under a mapping kills its reader
+        with SIGBUS), at most one board's bytes."""
         from distlab.comm import StatusBoard
 
+        text = ""
         try:
-            with open(r.status_path, "rb") as f, mmap.mmap(f.fileno(), 0,
-                                                            access=mmap.ACCESS_READ) as m:
-                text = StatusBoard.read(m)
-        except (OSError, ValueError):
-            text = ""
+            fd = _open_own(r.status_path)
+        except OSError:
+            fd = None
+        if isinstance(fd, int):
+            try:
+                for _ in range(100):  # a post torn by the writer reads "": read again
+                    text = StatusBoard.read(os.pread(fd, StatusBoard.SIZE, 0), attempts=1)
+                    if text:
+                        break
+            except (OSError, ValueError):
+                pass
+            finally:
+                os.close(fd)
+        elif fd is not None:
+            text = "unknown: its status file is not a regular file"
         now = time.time()
         text = re.sub(r" since (\d+(?:\.\d+)?)$", lambda m: f" for {now - float(m.group(1)):.1f} s",
                       text)
@@ -379,10 +406,10 @@ class Pool:
             return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
         def read(path, offset) -> str:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = _open_own(path)
+            if not isinstance(fd, int):
+                return "(no stack: the rank's stack file is not a regular file)"
             try:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    return "(no stack: the rank's stack file is not a regular file)"
                 return os.pread(fd, limit, offset).decode(errors="replace")
             finally:
                 os.close(fd)
