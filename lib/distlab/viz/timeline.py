@@ -20,6 +20,7 @@ COMM = "comm"     # the lanes of distlab.bench.trace.Span
 PHASES = {"forward": "#9ecae1", "backward": "#3182bd", "step": "#31a354", "wait": "#d9d9d9"}
 KERNEL = "#6baed6"                 # GPU compute kernels (too many names for a legend)
 COMM_COLOURS = ("#e6550d", "#fd8d3c")  # alternate, so that adjacent buckets stay apart
+WIDTH_IN = 9.0     # inches at 100 dpi, key included: narrower than a notebook cell
 
 
 def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: bool = True):
@@ -29,14 +30,16 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
     flight together queue for the same link, so the bars tile the time communication
     was in flight, in the order the collectives finished: each from when the one before
     it finished (or, after a gap, when a collective still to finish was issued) to when
-    it finished. Time in ms from the earliest event."""
+    it finished; a bar's bytes are written in it where they fit. Time in ms from the
+    earliest event."""
     import matplotlib.pyplot as plt
 
     from distlab.units import human_bytes
+    from distlab.viz.labels import box_label
 
     ranks = timeline.ranks
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(
-        figsize=(11, 0.9 + 1.1 * len(ranks)))
+        figsize=(WIDTH_IN, 0.9 + 1.1 * len(ranks)))
     t0 = timeline.origin
     ms = lambda t: 1e3 * (t - t0)  # noqa: E731
     ticks, labels = [], []
@@ -67,9 +70,9 @@ def plot_timeline(timeline: Timeline, ax=None, title: str = "", label_bytes: boo
             ax.broken_barh([(ms(left), width)], (y_comm, 0.8), facecolor=COMM_COLOURS[i % 2],
                            edgecolor="none", label=None if "collective" in seen else "collective")
             seen.add("collective")
-            if label_bytes and s.nbytes and width > 0.07 * 1e3 * timeline.duration:
-                ax.text(ms(left) + width / 2, y_comm + 0.4, human_bytes(s.nbytes),
-                        ha="center", va="center", fontsize=7, color="white")
+            if label_bytes and s.nbytes:
+                box_label(ax, ms(left), ms(left) + width, y_comm + 0.4, [human_bytes(s.nbytes)],
+                          fontsize=7, color="white")
         if comm:
             ax.vlines([ms(s.start) for s in comm], y_comm - 0.2, y_comm, color="C3",
                       linewidth=0.6, label=None if "issued" in seen else "collective issued")
@@ -128,7 +131,7 @@ def timelines_figure(timelines: dict):
 
     n = len(timelines)
     ranks = max(len(t.ranks) for t in timelines.values())
-    fig, axes = plt.subplots(n, 1, figsize=(11, n * (0.9 + 1.1 * ranks)), squeeze=False)
+    fig, axes = plt.subplots(n, 1, figsize=(WIDTH_IN, n * (0.9 + 1.1 * ranks)), squeeze=False)
     longest = max(1e3 * t.duration for t in timelines.values())
     for ax, (label, timeline) in zip(axes[:, 0], timelines.items()):
         plot_timeline(timeline, ax=ax, title=label)
@@ -159,11 +162,15 @@ class TimelinePicker:
                                    layout=widgets.Layout(align_items="flex-start"))
         self.show(self.choice.value)
 
+    def figure(self, label: str):
+        """The timeline of ``label`` on the time axis all of them share."""
+        fig = plot_timeline(self.timelines[label], title=label)
+        fig.axes[0].set_xlim(0, self.longest * 1.02)
+        return fig
+
     def show(self, label: str) -> None:
         if label not in self._frames:
-            fig = plot_timeline(self.timelines[label], title=label)
-            fig.axes[0].set_xlim(0, self.longest * 1.02)
-            self._frames[label] = png(fig)
+            self._frames[label] = png(self.figure(label))
         self.image.value = self._frames[label]
 
     def __repr__(self) -> str:
