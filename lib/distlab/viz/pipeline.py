@@ -4,8 +4,9 @@
 or from the ideal clock of :func:`distlab.pp.schedule.simulate`): one row per stage,
 stage 0 on top, one box per forward (F, solid) or backward (B, hatched), coloured by
 micro-batch, transfers as thin grey bars under the boxes. The white space is the
-bubble. :class:`PipelineExplorer` puts the ideal schedule for any p and m (sliders)
-beside a measured run; without a widget front end it shows a picture.
+bubble. A box's label is drawn at its full size where it fits (:mod:`distlab.viz.labels`):
+"F3", or "3" in a narrow box. :class:`PipelineExplorer` puts the ideal schedule for any
+p and m (sliders) above a measured run; without a widget front end it shows a picture.
 
 matplotlib and ipywidgets are imported where they are used, so that importing this
 module (the lab 07 exercises do, for the autograder) needs neither.
@@ -15,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from distlab.pp.bubble import compute_events, idle_fraction, peak_live
-from distlab.viz.ring import _png
+from distlab.viz import png
 
+LABEL_PT = 7          # the font size of a box's label ("F3", or "3" where that is too wide)
 
 def _figure(ax, size):
     """``ax``'s figure, or a new one, closed so that a notebook shows it once: as the
@@ -58,6 +60,10 @@ def plot_gantt(events: list[dict], ax=None, title: str = "", unit: str = "ms",
     micro-batches; ``key`` puts :func:`gantt_key` under the axes. Transfers before the
     first forward or after the last backward (a stage waiting for its first input, or
     for the tied gradient) are cut off."""
+    from matplotlib.patches import Rectangle  # added as artists: cheaper than barh's bars
+
+    from distlab.viz.labels import box_label
+
     fig, ax = _figure(ax, (9, 2.8))
     work = compute_events(events)
     p = num_stages or 1 + max(e["stage"] for e in work)
@@ -71,14 +77,13 @@ def plot_gantt(events: list[dict], ax=None, title: str = "", unit: str = "ms",
             continue
         y = e["stage"]
         if e["kind"] == "comm":
-            ax.barh(y + 0.36, w, left=x, height=0.1, color="0.55", linewidth=0)
+            ax.add_artist(Rectangle((x, y + 0.31), w, 0.1, color="0.55", linewidth=0))
             continue
         forward = e["kind"] == "F"
-        ax.barh(y, w, left=x, height=0.66, color=_colour(e["mb"]), edgecolor="0.2",
-                linewidth=0.5, hatch=None if forward else "///", alpha=1.0 if forward else 0.75)
-        if w > span / 45:
-            ax.text(x + w / 2, y, f"{e['kind']}{e['mb']}", ha="center", va="center",
-                    fontsize=7 if w > span / 25 else 5.5)
+        ax.add_artist(Rectangle((x, y - 0.33), w, 0.66, facecolor=_colour(e["mb"]),
+                                edgecolor="0.2", linewidth=0.5, hatch=None if forward else "///",
+                                alpha=1.0 if forward else 0.75))
+        box_label(ax, x, x + w, y, (f"{e['kind']}{e['mb']}", f"{e['mb']}"), fontsize=LABEL_PT)
     ax.set_yticks(range(p), [f"stage {s}" for s in range(p)])
     ax.set_ylim(p - 0.45, -0.55)
     ax.set_xlim(0, span * 1.01)
@@ -162,43 +167,92 @@ def plot_bubble(rows: list[dict], title: str = "", ax=None):
 
 class PipelineExplorer:
     """Sliders for p and m and a choice of schedule redraw the ideal schedule
-    (``ideal(name, p, m)`` returns its events) beside a measured run
-    (``measured[name]``: the events of a recorded step, for each schedule name).
-    Displayed, it is its ipywidgets box (``.widget``); as a static output it shows the
-    picture of the current setting."""
+    (``ideal(name, p, m)`` returns its events); under it, the measured run of the chosen
+    schedule (``measured[name]``: the events of one recorded step), which follows the
+    schedule but not the sliders, as its caption says. Both pictures keep one size
+    whatever p and m, as wide as :data:`WIDTH_IN`, so that the page does not move and
+    the labels stay at their font size. The sliders redraw when released, and each
+    picture is drawn once. Displayed, it is its ipywidgets box (``.widget``); as a
+    static output it shows both pictures of the current setting."""
+
+    WIDTH_IN = 8.4   # inches at 100 dpi: narrower than a notebook cell on a laptop
 
     def __init__(self, ideal, measured: dict[str, list[dict]], p: int = 4, m: int = 8,
                  max_p: int = 8, max_m: int = 16):
         import ipywidgets as widgets
 
-        self.ideal, self.measured = ideal, measured
+        self.ideal, self.measured, self.max_p = ideal, measured, max_p
         names = list(measured)
         self.schedule = widgets.ToggleButtons(options=names, value=names[0])
-        self.p = widgets.IntSlider(value=p, min=1, max=max_p, description="stages p")
-        self.m = widgets.IntSlider(value=m, min=1, max=max_m, description="micro-batches m")
+        slider = dict(continuous_update=False, style={"description_width": "initial"})
+        self.p = widgets.IntSlider(value=p, min=1, max=max_p, description="stages p", **slider)
+        self.m = widgets.IntSlider(value=m, min=1, max=max_m, description="micro-batches m",
+                                   **slider)
         self.label = widgets.HTML()
         self.image = widgets.Image(format="png")
+        self.caption = widgets.HTML()
+        self.measured_image = widgets.Image(format="png")
+        self._frames: dict[tuple, bytes] = {}
         for w in (self.schedule, self.p, self.m):
             w.observe(lambda _: self.show(), names="value")
         self.widget = widgets.VBox(
-            [widgets.HBox([self.schedule, self.p, self.m]), self.label, self.image],
+            [widgets.HBox([self.schedule, self.p, self.m], layout=widgets.Layout(flex_flow="row wrap")),
+             self.label, self.image, self.caption, self.measured_image],
             layout=widgets.Layout(align_items="flex-start"))
         self.show()
 
-    def figure(self):
+    def _measured_shape(self, name: str) -> tuple[int, int]:
+        events = self.measured[name]
+        return 1 + max(e["stage"] for e in events), len({e["mb"] for e in compute_events(events)})
+
+    def _chart(self, events, title: str, unit: str, rows: int):
+        """A Gantt chart of fixed size for ``rows`` stages, its key under it."""
+        import matplotlib.pyplot as plt
+
+        height = 0.3 * rows + 1.2
+        fig, ax = plt.subplots(figsize=(self.WIDTH_IN, height))
+        plt.close(fig)
+        p = 1 + max(e["stage"] for e in events)
+        plot_gantt(events, ax=ax, title=title, unit=unit, key=False)
+        ax.set_ylim(max(p, rows) - 0.45, -0.55)
+        fig.legend(*gantt_key(), fontsize=7, ncol=3, loc="lower center", frameon=False)
+        fig.tight_layout(rect=(0, 0.25 / height, 1, 1))   # a quarter inch for the key
+        return fig
+
+    def ideal_figure(self):
+        """The ideal schedule of the current setting, as tall for any p (max_p rows)."""
         name, p, m = self.schedule.value, self.p.value, self.m.value
-        measured = self.measured[name]
-        mp = 1 + max(e["stage"] for e in measured)
-        mm = len({e["mb"] for e in compute_events(measured)})
+        return self._chart(self.ideal(name, p, m), f"{name} ideal, p={p}, m={m}", "",
+                           self.max_p)
+
+    def measured_figure(self):
+        name = self.schedule.value
+        mp, mm = self._measured_shape(name)
+        return self._chart(self.measured[name], f"{name} measured, p={mp}, m={mm}", "ms", mp)
+
+    def figure(self):
+        """Both charts, one under the other: the static picture."""
+        name, p, m = self.schedule.value, self.p.value, self.m.value
+        mp, mm = self._measured_shape(name)
         return compare_figure({f"{name} ideal, p={p}, m={m}": (self.ideal(name, p, m), ""),
-                               f"{name} measured, p={mp}, m={mm}": (measured, "ms")})
+                               f"{name} measured, p={mp}, m={mm}": (self.measured[name], "ms")},
+                              columns=1)
+
+    def _frame(self, key: tuple, draw) -> bytes:
+        if key not in self._frames:
+            self._frames[key] = png(draw(), tight=False)
+        return self._frames[key]
 
     def show(self) -> None:
         name, p, m = self.schedule.value, self.p.value, self.m.value
-        self._picture = _png(self.figure())  # also the static fallback
-        self.image.value = self._picture
+        self.image.value = self._frame((name, p, m), self.ideal_figure)
+        self.measured_image.value = self._frame((name,), self.measured_figure)
+        mp, mm = self._measured_shape(name)
         self.label.value = (f"<b>{name}</b>, p = {p}, m = {m}: formula (p-1)/(m+p-1) = "
                             f"<b>{(p - 1) / (m + p - 1):.1%}</b> idle")
+        self.caption.value = (f"Below: the measured {name} step (p = {mp}, m = {mm}). "
+                              "It follows the schedule buttons, not the sliders: one step "
+                              "was recorded per schedule.")
 
     def __repr__(self) -> str:
         return (f"PipelineExplorer({self.schedule.value}, p={self.p.value}, m={self.m.value}; "
@@ -207,5 +261,5 @@ class PipelineExplorer:
     def _repr_mimebundle_(self, **kwargs):
         data = self.widget._repr_mimebundle_(**kwargs) or {}
         data["text/plain"] = repr(self)
-        data["image/png"] = self._picture
+        data["image/png"] = png(self.figure())
         return data
