@@ -20,6 +20,7 @@ from distlab.viz import png
 
 LABEL_PT = 7          # the font size of a box's label ("F3", or "3" where that is too wide)
 
+
 def _figure(ax, size):
     """``ax``'s figure, or a new one, closed so that a notebook shows it once: as the
     value the plotting function returns."""

@@ -16,7 +16,7 @@ import numpy as np
 
 from distlab.units import decimal_bytes
 from distlab.zero.memory import STAGE_NAMES, STAGES, zero_bytes
-from distlab.viz.ring import _png
+from distlab.viz import png
 
 CATEGORIES = ("params", "grads", "master", "optimizer")
 LABELS = {"params": "weights", "grads": "gradients", "master": "fp32 master weights",
@@ -98,20 +98,21 @@ def plot_equivalence(gaps: dict[tuple[int, str], float], title: str = ""):
 
 def plot_traffic(volumes: dict[str, float], title: str = ""):
     """Horizontal bars: each strategy's bytes per rank and step on the wire (``volumes``,
-    in units of Ψ), with the 2Ψ of data parallelism marked."""
+    in units of Ψ), with the 2Ψ of data parallelism marked (keyed beside the axes, where
+    the key covers no bar)."""
     import matplotlib.pyplot as plt
 
     names = list(volumes)
-    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) + 1.2))
+    fig, ax = plt.subplots(figsize=(8.2, 0.45 * len(names) + 1.2))
     bars = ax.barh(range(len(names)), [volumes[n] for n in names], color="tab:blue")
     ax.bar_label(bars, fmt="%.2fΨ", fontsize=8, padding=3)
-    ax.axvline(2.0, color="k", ls="--", lw=1, label="data parallelism: 2Ψ")
+    ax.axvline(2.0, color="k", ls="--", lw=1, label="data parallelism:\n2Ψ")
     ax.set_yticks(range(len(names)), names, fontsize=9)
     ax.invert_yaxis()
     ax.set_xlim(0, max(volumes.values()) * 1.2)
     ax.set_xlabel("bytes per rank and step on the wire, in units of Ψ (the gradients' bytes)")
     ax.set_title(title or "traffic per step")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3, axis="x")
     return _done(fig)
 
@@ -145,23 +146,39 @@ def calculator_table(num_params: float, world_size: int, k: float = 12) -> list[
             for s in STAGES]
 
 
+def _log_bytes_axis(ax, low: float, high: float) -> None:
+    """A log y axis from ``low`` to ``high`` bytes, its labelled ticks in decimal units
+    (1 GB, 2 GB, 5 GB... within two decades, powers of ten beyond), minor ticks
+    unlabelled (no 6×10¹ between them)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    subs = (1.0, 2.0, 5.0) if np.log10(high / low) <= 2 else (1.0,)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: decimal_bytes(v)))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | None = None,
                       k: float = 12):
-    """Bars of :func:`calculator_table` on a log scale, with one GPU's memory."""
+    """Bars of :func:`calculator_table` on a log scale, each one's bytes under its name,
+    and one GPU's memory as a dashed line keyed beside the axes (the labels stay clear
+    of the line and of the frame whatever the numbers)."""
     import matplotlib.pyplot as plt
 
     table = calculator_table(num_params, world_size, k)
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
-    values = [b / 1e9 for _, _, b in table]
-    bars = ax.bar([name for name, _, _ in table], values,
-                  color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
-    ax.bar_label(bars, labels=[decimal_bytes(b) for _, _, b in table], fontsize=8)
+    values = [b for _, _, b in table]
+    ax.bar(range(len(table)), values, color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
+    ax.set_xticks(range(len(table)), [f"{name}\n{decimal_bytes(b)}" for name, _, b in table])
+    shown = values + ([gpu_bytes] if gpu_bytes else [])
+    _log_bytes_axis(ax, max(min(shown), 1.0) / 2, max(max(shown), 1.0) * 1.6)
     if gpu_bytes:
-        ax.axhline(gpu_bytes / 1e9, color="crimson", ls="--", lw=1,
-                   label=f"one GPU: {decimal_bytes(gpu_bytes)}")
-        ax.legend(fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("GB per GPU (log scale)")
+        ax.axhline(gpu_bytes, color="crimson", ls="--", lw=1,
+                   label=f"one GPU:\n{decimal_bytes(gpu_bytes)}")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_ylabel("bytes per GPU (log scale)")
     ax.set_title(f"Ψ = {num_params:,.0f} parameters on N = {world_size} GPUs, K = {k:g}",
                  fontsize=10)
     ax.grid(alpha=0.3, axis="y")
@@ -199,13 +216,16 @@ class MemoryCalculator:
     def update(self) -> None:
         psi, n, k = self._values()
         limit = GPUS[self.gpu.value]
+        left, right = " style='text-align:left'", " style='text-align:right'"
         rows = "".join(
-            f"<tr><td>{name}</td><td>{formula}</td><td style='text-align:right'>"
-            f"{b / 1e9:,.1f} GB</td><td>{'fits' if b <= limit else 'does not fit'}</td></tr>"
+            f"<tr><td>{name}</td><td>{formula}</td><td{right}>{b / 1e9:,.1f} GB</td>"
+            f"<td>{'fits' if b <= limit else 'does not fit'}</td></tr>"
             for name, formula, b in calculator_table(psi, n, k))
-        self.table.value = (f"<table><tr><th>strategy</th><th>bytes per GPU</th><th></th>"
-                            f"<th>{self.gpu.value}</th></tr>{rows}</table>")
-        self.image.value = _png(calculator_figure(psi, n, limit, k))
+        self.table.value = (f"<table style='border-spacing: 1.2em 0.2em'><tr>"
+                            f"<th{left}>strategy</th><th{left}>formula</th>"
+                            f"<th{right}>bytes per GPU</th><th{left}>in one {self.gpu.value}</th>"
+                            f"</tr>{rows}</table>")
+        self.image.value = png(calculator_figure(psi, n, limit, k))
 
     def __repr__(self) -> str:
         psi, n, k = self._values()
@@ -218,7 +238,7 @@ class MemoryCalculator:
         data = self.widget._repr_mimebundle_(**kwargs) or {}
         psi, n, k = self._values()
         data["text/plain"] = repr(self)
-        data["image/png"] = _png(calculator_figure(psi, n, GPUS[self.gpu.value], k))
+        data["image/png"] = png(calculator_figure(psi, n, GPUS[self.gpu.value], k))
         return data
 
 
