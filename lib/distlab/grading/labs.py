@@ -67,6 +67,10 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "run_stage": ("distlab.pp.runtime:PipelineRunner", "distlab.pp.runtime:sum_tied_gradients",
                   "distlab.pp.p2p:StageLink"),
     "BucketedDDP": _DP,
+    "mesh_groups": ("distlab.mesh:Grid", "distlab.mesh:Mesh"),
+    "distributed_train_step": ("distlab.train:Trainer", "distlab.train:build",
+                               "distlab.train:train", "distlab.train:_Bucket",
+                               "distlab.train:_Shards"),
 }
 
 REFUSAL = "this is the library's answer to the exercise being graded"

@@ -1,0 +1,157 @@
+"""What lab 09's core exercise, distributed_train_step, is trained on and held to.
+
+In the ranks (:func:`train`): a small GPT whose every tensor has an odd number of
+elements (9 features, 3 heads, 15 tokens, 7 positions), its parameters cut into odd-sized
+buckets (:func:`plan`), so that over 2 ranks every shard is uneven and the all-gathers'
+pieces reach the parameters only when their handles are waited. The harness records,
+per step, the weights each forward read, how many reduce-scatters were issued when
+backward's last gradient arrived, whether a full gradient survived the step, the
+returned loss, AdamW's moments and the CommLog. In this process (:func:`one_process`):
+the same training with ``torch.optim.AdamW`` on the group's whole batch.
+"""
+import functools
+import sys
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab.comm import CommLog
+from distlab.data import NGramLanguage
+from distlab.model import GPT, config
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
+
+VOCAB, SEQ, BATCH, STEPS, CAP = 15, 7, 8, 3, 600
+CFG = config("test", VOCAB, seq_len=SEQ, n_head=3, d_model=9)
+LANG = NGramLanguage(VOCAB, 3, seed=0)
+ADAMW = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+RS_OPS = ("reduce_scatter_tensor", "reduce_scatter")
+AG_OPS = ("all_gather_into_tensor", "all_gather")
+SCALE = 1024.0
+# the options of each run of a launch; the expected results are those of one process
+RUNS = {"fp64": dict(overlap=True), "no_overlap": dict(overlap=False),
+        "scaled": dict(overlap=True, loss_scale=SCALE),
+        "bf16": dict(overlap=True, autocast_dtype=torch.bfloat16)}
+
+
+def make_model(dtype=torch.float64):
+    torch.manual_seed(0)
+    return GPT(CFG).to(dtype)
+
+
+def plan(model) -> list[list[str]]:
+    """Parameter names per bucket: backward's order (the last layers first), each bucket
+    at least CAP elements and odd-sized."""
+    buckets, current, size = [], [], 0
+    for name, p in reversed(list(model.named_parameters())):
+        current.append(name)
+        size += p.numel()
+        if size >= CAP and size % 2:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def batch_of(step, offset=0, index=0, size=1):
+    """Rows ``index`` of ``size`` of the batch of ``step`` (``offset``: another group's data)."""
+    return LANG.batch(step + offset, BATCH, SEQ, index, size)
+
+
+# ---------------------------------------------------------------------- in the ranks
+
+
+def train(step_fn, runs, groups=None):
+    """Each named run of ``runs`` (name -> options) for STEPS steps on this rank. With
+    ``groups`` (lists of global ranks), each group trains on data of its own."""
+    from distlab.zero import FlatParams
+
+    rank = dist.get_rank()
+    made = [dist.new_group(g) for g in groups] if groups else [None]
+    members = groups or [list(range(dist.get_world_size()))]
+    g = next(i for i, ranks in enumerate(members) if rank in ranks)
+    group, index, size = made[g], members[g].index(rank), len(members[g])
+    out = {}
+    for name, options in runs.items():
+        bf16 = options.get("autocast_dtype") is torch.bfloat16
+        model = make_model(torch.float32 if bf16 else torch.float64)
+        params = dict(model.named_parameters())
+        buckets = [FlatParams([(n, params[n]) for n in names], group,
+                              torch.bfloat16 if bf16 else None) for names in plan(model)]
+        seen, counts, current = [], [], {}
+        model.register_forward_pre_hook(lambda *_: seen.append(
+            {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}))
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda _p: counts[-1].append(
+                current["log"].count(RS_OPS) if "log" in current else -1))
+        state, losses, logs, kept, moments = {}, [], [], [], None
+        for step in range(STEPS):
+            x, y = batch_of(step, 1000 * g, index, size)
+            counts.append([])
+            with CommLog() as log:
+                current["log"] = log
+                loss = step_fn(model, buckets, state, x, y, group, **options, **ADAMW)
+                del current["log"]
+            losses.append(loss if isinstance(loss, float) else repr(type(loss).__name__))
+            logs.append(log.records())
+            kept.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+            if step == 0:
+                moments = first_moments(state, len(buckets))
+        for gather in state.get("gathers", []) if isinstance(state, dict) else []:
+            gather.wait()
+        out[name] = {"losses": losses, "seen": seen, "counts": [c[-1] if c else None for c in counts],
+                     "logs": logs, "kept": kept, "moments": moments,
+                     "master_dtypes": [str(b.master.dtype) for b in buckets],
+                     "bounds": [(b.start, b.end) for b in buckets],
+                     "weights": {n: p.detach().to(torch.float64, copy=True)
+                                 for n, p in model.named_parameters()}}
+    return out
+
+
+def first_moments(state, buckets: int):
+    """Copies of ``state["adamw"][i]["exp_avg"]``, or None where the state is not so."""
+    adam = state.get("adamw") if isinstance(state, dict) else None
+    if isinstance(adam, list) and len(adam) == buckets and all(
+            isinstance(s, dict) and isinstance(s.get("exp_avg"), torch.Tensor) for s in adam):
+        return [s["exp_avg"].detach().clone() for s in adam]
+    return None
+
+
+# ----------------------------------------------------------------- in the test process
+
+
+@functools.cache
+def one_process(offsets=(0,), dtype=torch.float64, steps=STEPS):
+    """torch.optim.AdamW on the whole batch of each step (the batches of ``offsets``,
+    concatenated): per step the weights forward reads and the loss; the first step's
+    exp_avg by name; the final weights."""
+    model = make_model(dtype)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
+    seen, losses, first = [], [], None
+    for step in range(steps):
+        seen.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
+        xs, ys = zip(*(batch_of(step, o) for o in offsets))
+        loss = F.cross_entropy(model(torch.cat(xs)).flatten(0, 1), torch.cat(ys).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if first is None:
+            first = {n: opt.state[p]["exp_avg"].double().clone()
+                     for n, p in model.named_parameters()}
+    return {"seen": seen, "losses": losses, "exp_avg": first,
+            "weights": {n: p.detach().double().clone() for n, p in model.named_parameters()}}
+
+
+def bucket_shard(values: dict, names: list[str], bounds) -> torch.Tensor:
+    """This rank's shard (``bounds``) of a bucket's flat concatenation of ``values``."""
+    flat = torch.cat([values[n].reshape(-1) for n in names])
+    return flat[bounds[0]:bounds[1]]
+
+
+def largest_gap(got: dict, want: dict) -> tuple[float, str]:
+    gap, where = max(((got[n] - want[n]).abs().max().item(), n) for n in want)
+    return gap, where
