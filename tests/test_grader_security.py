@@ -548,7 +548,7 @@ def test_the_loopback_counts_what_the_ranks_move(tmp_path):
     found = json.loads(done.stdout.strip().splitlines()[-1])
     ring = 1 << 18  # (n-1) buffers of 256 KiB
     assert found["private"] and found["allowance"] == 0, found
-    assert ring <= found["honest"] <= ring * (1 + wire.TOLERANCE), found
+    assert ring - 1024 <= found["honest"] <= ring * (1 + wire.TOLERANCE), found
     assert found["gloo"] <= found["cheat"] <= found["gloo"] * (1 + wire.TOLERANCE), found
     assert "x the 256.0 KiB expected" in found["refused"], found
 

@@ -35,8 +35,8 @@ Everywhere (Linux; any user):
 7. **Time.** No exercise runs past its limit plus a grace (10-30 s), timed on the
    grader's own clock: the grader stops the whole pytest run, whatever it is stuck on,
    counts that exercise's unfinished tests as timed out, and reruns the exercises that
-   had not started. The launcher reads a rank's stack file without following links or
-   blocking, and at most 1 MiB of it.
+   had not started. The launcher reads a rank's stack file and status board without
+   following links or blocking, only regular files, and at most 1 MiB (a board: 256 B).
 8. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in a
    new PID namespace (namespaces), otherwise under a child subreaper (Linux), otherwise
    (elsewhere) only its process group is killed. When pytest ends, every process it left
@@ -59,6 +59,12 @@ As root:
     run mounts a fresh tmpfs on both in the run's mount namespace (the grader's and the
     tests' folders bound back in); what the student's code leaves there vanishes with
     the run (:func:`_private_tmp`).
+12. **Traffic counted outside the ranks** (root and namespaces, ``unshare --net``): each
+    run has a network namespace of its own, ``lo`` alone and up
+    (:func:`distlab.grading.wire.loopback_up`);
+    gloo uses it, and :mod:`distlab.grading.wire` reads its counters from the pytest
+    process. Upper bounds on the bytes moved cannot be forged. Everywhere a passed test
+    whose traffic evidence was only a CommLog is reported "self-reported".
 
 What this does not guarantee: code running as the grader's own user (a student grading
 their own laptop) can edit the tests themselves, and nothing is hidden from it; as root
@@ -67,13 +73,14 @@ without namespaces nothing is hidden either. Other copies of the kit on the mach
 the ranks. /tmp and /dev/shm are the machine's: files the ranks leave there stay, and
 ranks graded at the same time as the same user can meet there (except as root with
 namespaces, where each run gets its own /tmp and /dev/shm; /var/tmp stays shared). The
-memory cap is per rank, not per exercise, and not on GPU memory. The launcher opens a
-rank's status-board file plainly: a FIFO put there blocks it until the time limit stops
-the exercise (a timeout, not a hang). Only the library objects named in ANSWERS refuse;
-other library code stays usable. And what is observed *inside* a rank — which
-collectives ran (CommLog), what the status board says — is reported by a process that
-ran the student's code, so a deliberate forgery of those observations is possible.
-Answers (values, gradients, weights) are always checked outside it.
+memory cap is per rank, not per exercise, and not on GPU memory. Only the library
+objects named in ANSWERS refuse; other library code stays usable. And what is observed
+*inside* a rank — which collectives ran (CommLog), what the status board says — is
+reported by a process that ran the student's code, so a deliberate forgery of those
+observations is possible: checks on a CommLog are marked self-reported, and only the
+bytes counted on the run's own loopback (12) bound traffic unforgeably, as an upper
+bound on volume (not which collective ran, nor a lower bound). Answers (values,
+gradients, weights) are always checked outside it.
 """
 from __future__ import annotations
 
@@ -287,8 +294,8 @@ def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
     """Run ``cmd`` with everything it starts contained; return (exit status, or None if
     it ran past ``timeout``, or ``stop`` was set, and it was stopped; its combined
     output). When it ends, no process it started is left. With namespaces the run also
-    has a network namespace of its own, only ``lo`` up (:func:`_loopback_up`), whose
-    counters are the grader's traffic evidence (:mod:`distlab.grading.wire`)."""
+    has a network namespace of its own, only ``lo`` up, whose counters are the grader's
+    traffic evidence (:mod:`distlab.grading.wire`)."""
     mode = containment()
     line = [sys.executable, "-m", "distlab.grading.sandbox", "init", "--", *cmd]
     if mode == "pidns":
@@ -430,32 +437,6 @@ def _private_tmp(keep: list[str]) -> None:
         os.close(fd)
 
 
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
-
-
-def _loopback_up() -> bool:
-    """In a fresh network namespace (its PID 1, as root): bring ``lo`` up, the only
-    interface there, so that gloo's ranks reach each other and nothing else; True when
-    this namespace holds ``lo`` alone, up."""
-    import fcntl
-    import socket
-    import struct
-
-    from distlab.grading import wire
-
-    found = wire.interfaces() or {}
-    if set(found) != {"lo"}:
-        return False
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack(
-                "16sh", b"lo", 0)))[1]
-            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
-    except OSError:
-        return False
-    return True
-
-
 def _init(cmd: list[str]) -> int:
     """The supervisor: start ``cmd``, wait for it (reaping whatever else ends), then
     kill every process left below. SIGTERM stops ``cmd`` early."""
@@ -464,9 +445,12 @@ def _init(cmd: list[str]) -> int:
     keep = os.environ.pop("DISTLAB_PRIVATE_TMP", None)
     if keep is not None and os.getpid() == 1:
         _private_tmp([k for k in keep.split(os.pathsep) if k])
-    os.environ.pop("DISTLAB_WIRE", None)  # only a loopback made here is counted
-    if os.getpid() == 1 and _loopback_up():
-        os.environ["DISTLAB_WIRE"] = "lo"
+    os.environ.pop("DISTLAB_WIRE", None)  # only a loopback brought up here is counted
+    if os.getpid() == 1:
+        from distlab.grading import wire
+
+        if wire.loopback_up():
+            os.environ[wire.ENV] = "lo"
     fds = [int(x) for x in os.environ.pop("DISTLAB_PASS_FDS", "").split(",") if x]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

@@ -12,7 +12,9 @@ add nothing; a warm pool's launch adds nothing (measured: 0 bytes); fresh ranks 
 gloo handshakes (measured once per world size by :func:`fresh_cost` and allowed for).
 
 The payload is the transmitted bytes less :data:`HEADER` bytes per packet (Ethernet,
-IPv4 and TCP with timestamps, as Linux counts them on ``lo``; ACKs are pure header).
+IPv4 and TCP with timestamps, as Linux counts them on ``lo``; ACKs are pure header),
+less what TCP retransmitted on the sockets open at the end (``ss``'s ``bytes_retrans``:
+on a loaded machine a 64 KiB segment on ``lo`` is now and then resent, counted twice).
 :func:`at_most` checks it against an upper bound with a stated tolerance
 (:data:`TOLERANCE` of the expected bytes plus :data:`SLACK` for gloo's own message
 headers). Bytes a student adds can only raise the count, so upper bounds ("you moved
@@ -80,6 +82,30 @@ def interfaces() -> dict[str, tuple[int, int]] | None:
     return out
 
 
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+
+
+def loopback_up() -> bool:
+    """In a fresh network namespace (its PID 1, as root): bring ``lo`` up, the only
+    interface there, so that gloo's ranks reach each other and nothing else; True when
+    this namespace holds ``lo`` alone, up."""
+    import fcntl
+    import socket
+    import struct
+
+    found = interfaces() or {}
+    if set(found) != {"lo"}:
+        return False
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack(
+                "16sh", b"lo", 0)))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+    except OSError:
+        return False
+    return True
+
+
 def counters() -> tuple[int, int]:
     """(bytes, packets) transmitted on ``lo`` so far in this network namespace."""
     found = (interfaces() or {}).get("lo")
@@ -96,10 +122,35 @@ class Reading:
     packets: int | None = None
     allowance: int = 0  # bytes fresh ranks' handshakes may add
 
+    retransmitted: int = 0  # bytes TCP sent again (counted twice on lo)
+
     @property
     def payload(self) -> int | None:
-        """Bytes of TCP payload: transmitted bytes less a header per packet."""
-        return None if self.bytes is None else self.bytes - HEADER * self.packets
+        """Bytes of TCP payload: transmitted bytes less a header per packet, less what
+        TCP retransmitted (a loaded machine drops and resends segments even on lo)."""
+        return None if self.bytes is None else (
+            self.bytes - HEADER * self.packets - self.retransmitted)
+
+
+def retransmissions() -> dict[tuple[str, str], int]:
+    """(local, peer) address → bytes TCP retransmitted on that socket so far, for the
+    sockets of this network namespace (``ss -tin``'s ``bytes_retrans``; {} without ss)."""
+    import re
+    import subprocess
+
+    try:
+        out = subprocess.run(["ss", "-tinH"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found, key = {}, None
+    for line in out.splitlines():
+        fields = line.split()
+        if line[:1].strip() and len(fields) >= 5:  # a socket: state, queues, local, peer
+            key = (fields[3], fields[4])
+        elif key is not None:
+            m = re.search(r"\bbytes_retrans:(\d+)", line)
+            found[key] = found.get(key, 0) + (int(m[1]) if m else 0)
+    return found
 
 
 def _noop() -> None:
@@ -124,12 +175,16 @@ def measure(world_size: int, backend: str = "gloo"):
     launch.run(_noop, world_size, backend=backend)
     after = counters()
     reading.allowance = max(0, after[0] - before[0] - HEADER * (after[1] - before[1]))
+    resent = retransmissions()
     start = counters()
     try:
         yield reading
     finally:
         end = counters()
         reading.bytes, reading.packets = end[0] - start[0], end[1] - start[1]
+        # only what sockets still open show: a closed socket's resends stay counted
+        reading.retransmitted = sum(max(0, n - resent.get(k, 0))
+                                    for k, n in retransmissions().items())
 
 
 def gloo_bytes(op: str, nbytes: int, world_size: int) -> int:
