@@ -7,6 +7,9 @@ notebook would be (``runner.grade(path, only=["ZeRO3Unit"], first_failure=True)`
 share a run), one after the other (``ast.parse``, which the grader calls, is not
 thread-safe in CPython 3.11).
 """
+import subprocess
+import sys
+
 import pytest
 
 from mutants import grade_mutants
@@ -79,3 +82,36 @@ def test_a_wrong_zero3_unit_fails_naming_its_mistake(verdicts, name, says, first
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
     assert says in r.message, (name, r.message)
     assert r.message.startswith(first), (name, r.message)
+
+
+REFUSED = """
+import torch, torch.nn as nn
+from distlab.grading import labs
+labs.disarm("ZeRO3Unit")
+from distlab.zero import flat, memory
+calls = {"FlatParams": lambda: flat.FlatParams([("w", nn.Parameter(torch.ones(2)))]),
+         "Layout": lambda: flat.Layout(5, 2),
+         "reduce_scatter_mean": lambda: flat.reduce_scatter_mean(torch.ones(4), None),
+         "all_gather_shards": lambda: flat.all_gather_shards(torch.ones(2), None, torch.ones(4))}
+for name, call in calls.items():
+    try:
+        call()
+        print(name, "ran")
+    except RuntimeError as e:
+        print(name, "refused" if labs.REFUSAL in str(e) else f"failed otherwise: {e}")
+with memory.StorageTracker() as tracker:   # what the exercise's tests use still works
+    torch.ones(3)
+print("StorageTracker", "works" if tracker.peak() else "broken")
+"""
+
+
+def test_the_flat_units_helpers_refuse_while_zero3_unit_is_graded():
+    """A student who builds ZeRO3Unit from the library's FlatParams (or its padded layout
+    and collectives) scores 0: in a graded rank they refuse, with the grader's message,
+    as soon as labs.disarm has run; the StorageTracker the tests measure with does not."""
+    out = subprocess.run([sys.executable, "-c", REFUSED], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:5] == [
+        "FlatParams refused", "Layout refused", "reduce_scatter_mean refused",
+        "all_gather_shards refused", "StorageTracker works"], out.stdout

@@ -21,6 +21,15 @@ from distlab.grading import expect_close
 from distlab.zero import shard_range
 
 NOTEBOOK = "05_zero"
+# the hint a student failing each test should open (Hint 1: the three moves; 2: equal
+# pieces from uneven shards; 3: which calls; 4: the recipe)
+HINTS = {"test_the_parameters_follow_adamw_on_the_mean_gradient": 1,
+         "test_the_moments_are_those_of_the_mean_gradient": 1,
+         "test_the_state_holds_this_ranks_shard_only": 4,
+         "test_one_reduce_scatter_and_one_all_gather_per_step": 3,
+         "test_the_remainder_is_updated": 2,
+         "test_every_rank_holds_every_updated_shard": 2,
+         "test_a_group_steps_between_its_own_ranks": 3}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 NUMEL, STEPS = 1001, 3
