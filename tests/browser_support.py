@@ -10,6 +10,7 @@ Playwright: nothing is downloaded at test time.
 """
 from __future__ import annotations
 
+import ast
 import http.client
 import json
 import os
@@ -70,6 +71,78 @@ def copy_without_outputs(src: Path, dst: Path) -> None:
             cell.outputs, cell.execution_count = [], None
     nb.metadata.pop("widgets", None)
     nbformat.write(nb, dst)
+
+
+# The widgets of labs 05, 07 and 08, displayed as the labs display them (the last line
+# of each display cell is the lab's own), over stand-ins for the runs the labs record:
+# running the labs themselves takes minutes.
+WIDGET_PRELUDE = '''\
+from distlab import pp
+from distlab.bench.trace import Span, Timeline
+from distlab.viz.pipeline import PipelineExplorer
+from distlab.viz.timeline import TimelinePicker
+from distlab.viz.zero import MemoryCalculator
+
+P, M = 4, 8      # lab 07's measured step: the ideal clock at 30 ms per forward
+measured = {pp.TITLES[name]: [dict(e, start=0.03 * e["start"], end=0.03 * e["end"])
+                              for e in pp.simulate(pp.build_schedule(name, P, M))]
+            for name in ("gpipe", "1f1b")}
+
+
+def step(sizes, backward=0.02, latency=0.0015, per_mib=0.008):
+    """Lab 08's shape of a step on 2 ranks: one all-reduce per bucket of ``sizes`` bytes,
+    each issued as backward reaches it, queued on one link."""
+    spans, marks = [], []
+    for rank in (0, 1):
+        done = 0.01 + backward
+        spans += [Span(rank, "compute", "forward", 0.0, 0.01),
+                  Span(rank, "compute", "backward", 0.01, done)]
+        end = 0.0
+        for i, size in enumerate(sizes):
+            issued = 0.01 + backward * (i + 1) / len(sizes)
+            end = max(issued, end) + latency + per_mib * size / 2**20
+            spans.append(Span(rank, "comm", "all_reduce", issued, end, size))
+            marks.append((rank, f"bucket {i}", issued))
+        spans += [Span(rank, "wait", "wait", done, end),
+                  Span(rank, "compute", "step", end, end + 0.002)]
+    return Timeline(spans, marks)
+
+
+timelines = {"per parameter": step([4096] * 60 + [2**20]), "1/4 MiB": step([2**18] * 17),
+             "1 MiB": step([2**20] * 4 + [2**17]), "naive": step([int(4.1 * 2**20)])}'''
+WIDGET_CELLS = {
+    "MemoryCalculator": "MemoryCalculator(num_params=7.5e9, world_size=64)",
+    "PipelineExplorer": (
+        "BY_TITLE = {title: name for name, title in pp.TITLES.items()}\n"
+        "PipelineExplorer(lambda title, stages, m: pp.simulate(pp.build_schedule("
+        "BY_TITLE[title], stages, m)),\n                 measured, p=P, m=M)"),
+    "TimelinePicker": 'TimelinePicker(timelines, description="buckets")',
+}
+
+
+def widget_notebook(path: Path) -> Path:
+    """Write the notebook of the three widgets (no outputs) to ``path``."""
+    cells = [nbformat.v4.new_markdown_cell("The widgets of labs 05, 07 and 08."),
+             nbformat.v4.new_code_cell(WIDGET_PRELUDE)]
+    cells += [nbformat.v4.new_code_cell(source) for source in WIDGET_CELLS.values()]
+    nb = nbformat.v4.new_notebook(cells=cells)
+    nb.metadata.kernelspec = {"name": "python3", "display_name": "Python 3",
+                              "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def widgets_in_process() -> dict:
+    """The three widgets as the notebook of :func:`widget_notebook` makes them, made in
+    this process (for the static checks): name -> widget."""
+    namespace: dict = {}
+    exec(WIDGET_PRELUDE, namespace)
+    made = {}
+    for name, source in WIDGET_CELLS.items():
+        *body, last = ast.parse(source).body          # the widget is the last expression
+        exec(compile(ast.Module(body, []), name, "exec"), namespace)
+        made[name] = eval(compile(ast.Expression(last.value), name, "eval"), namespace)
+    return made
 
 
 def _processes() -> dict[int, tuple[int, int]]:

@@ -4,8 +4,13 @@ nbval proves that cells run; this proves what a student sees. JupyterLab is star
 ``make lab`` starts it (tests/browser_support.py), each notebook (a solution, outputs
 stripped) is opened and run from the Run menu, and the page is checked: every cell ran,
 no error output, each plot the solution has is drawn as an image, each widget is drawn
-as a widget (not as its text stand-in), and the ring stepper of lab 03 moves a step
-when "next" is clicked. Screenshots go to artifacts/browser/.
+as a widget (not as its text stand-in), no image is broken, the browser logs no error,
+and the ring stepper of lab 03 moves a step when "next" is clicked. The widgets of labs
+05, 07 and 08 (MemoryCalculator, PipelineExplorer, TimelinePicker) are run from a small
+notebook of their own (tests/browser_support.py: the labs' display cells over stand-ins
+for their runs, which take minutes): each is clicked or dragged, what it shows must
+change, and its pictures must be drawn at their own size, no wider than the cell.
+Screenshots go to artifacts/browser/.
 
 Skipped, with the reason, where Playwright or a Chromium executable is missing
 (``apt-get install chromium``; ``.ci/run`` does it in CI). ``make test-browser`` runs
@@ -26,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts" / "browser"
 SOLUTIONS = ROOT / "solutions"
 SETUP, RING = "00_setup.ipynb", "03_ring_allreduce.ipynb"
+WIDGETS = "widgets_05_07_08.ipynb"     # written by browser_support.widget_notebook
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 RUN_TIMEOUT_S = 120        # per notebook; lab 03's measurement is the longest part
 
@@ -47,6 +53,10 @@ CELLS_JS = """panel => [...document.querySelectorAll(panel + ' .jp-Cell')]
       images: [...out.querySelectorAll('img')].map(img => img.complete ? img.naturalWidth : 0),
     })),
   }))"""
+# Images that finished loading with nothing to show: a 404, or bytes that are no picture.
+BROKEN_IMAGES_JS = """panel => [...document.querySelectorAll(panel + ' img')]
+  .filter(img => img.complete && img.naturalWidth === 0)
+  .map(img => img.getAttribute('src')?.slice(0, 120) || '(no src)')"""
 # JupyterLab shows an error as a stderr output holding the traceback.
 STDERR = "application/vnd.jupyter.stderr"
 TRACEBACK = "Traceback (most recent call last)"
@@ -57,12 +67,12 @@ def stored(name: str):
 
 
 def expected_outputs(nb):
-    """Per cell of the solution: (number of plots, number of widgets) in its outputs."""
+    """Per cell of the solution: (number of plots, number of widgets, any output at all)."""
     counts = []
     for cell in nb.cells:
         outs = [o.get("data", {}) for o in cell.get("outputs", [])]
         counts.append((sum("image/png" in d and WIDGET_MIME not in d for d in outs),
-                       sum(WIDGET_MIME in d for d in outs)))
+                       sum(WIDGET_MIME in d for d in outs), bool(cell.get("outputs"))))
     return counts
 
 
@@ -70,6 +80,7 @@ def expected_outputs(nb):
 def lab(tmp_path_factory):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     notebooks = [SOLUTIONS / n for n in (SETUP, RING) if (SOLUTIONS / n).exists()]
+    notebooks.append(browser_support.widget_notebook(tmp_path_factory.mktemp("widgets") / WIDGETS))
     root = tmp_path_factory.mktemp("jupyterlab")
     with browser_support.JupyterLab(notebooks, root, ARTIFACTS / "jupyterlab.log") as server:
         yield server
@@ -158,13 +169,15 @@ def shot(page, target, name: str) -> None:
     page.screenshot(path=ARTIFACTS / f"{name}.png")
 
 
-def check_student_view(page, lab, name: str) -> list[dict]:
-    """Open ``name``, Run All, and check what shows against the solution's outputs."""
-    solution = stored(name)
-    open_notebook(page, lab, name, len(solution.cells))
+def check_student_view(page, lab, name: str, expected=None) -> list[dict]:
+    """Open ``name``, Run All, and check what shows against the solution's outputs, or
+    against ``expected`` (as :func:`expected_outputs` gives), for a notebook with no
+    solution."""
+    expected = expected or expected_outputs(stored(name))
+    open_notebook(page, lab, name, len(expected))
     cells = run_all(page, RUN_TIMEOUT_S)
-    assert len(cells) == len(solution.cells), (
-        f"JupyterLab shows {len(cells)} cells, the notebook has {len(solution.cells)}")
+    assert len(cells) == len(expected), (
+        f"JupyterLab shows {len(cells)} cells, the notebook has {len(expected)}")
 
     shown = [o["text"] for c in cells for o in c["outputs"]
              if o["mime"] == STDERR and TRACEBACK in o["text"]]
@@ -173,9 +186,9 @@ def check_student_view(page, lab, name: str) -> list[dict]:
                if c["code"] and not re.fullmatch(r"\[\d+\]:", c["prompt"])}
     assert not not_run, f"{name}: cells did not run (cell: prompt): {not_run}"
 
-    for i, (cell, (plots, widgets)) in enumerate(zip(cells, expected_outputs(solution))):
+    for i, (cell, (plots, widgets, output)) in enumerate(zip(cells, expected)):
         where = f"{name}, cell {i}"
-        if solution.cells[i].get("outputs") and cell["code"]:
+        if output and cell["code"]:
             assert cell["outputs"], f"{where}: the solution has output here, the student sees none"
         drawn = [o for o in cell["outputs"] if o["mime"] == "image/png"]
         assert len(drawn) >= plots, (
@@ -193,8 +206,9 @@ def check_student_view(page, lab, name: str) -> list[dict]:
     errors = [f"cell {i}: {o.ename}: {o.evalue}" for i, c in enumerate(saved.cells)
               for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{name}: error outputs in the run: {errors}"
-    widget_errors = [e for e in page.console_errors if "widget" in e.lower()]
-    assert not widget_errors, f"{name}: the browser reported widget errors: {widget_errors}"
+    assert not page.console_errors, f"{name}: the browser logged errors: {page.console_errors}"
+    broken = page.evaluate(BROKEN_IMAGES_JS, PANEL)
+    assert not broken, f"{name}: broken images (a student sees an empty frame): {broken}"
     plots = page.locator(f'{PANEL} .jp-OutputArea-output[data-mime-type="image/png"]')
     for k in range(plots.count()):
         shot(page, plots.nth(k), f"{Path(name).stem}.plot{k}")
@@ -239,3 +253,125 @@ def test_ring_stepper_as_a_student_sees_it(lab, page):
     assert shown <= 1.1 * natural, (
         f"the stepper's picture is stretched from {natural} to {shown:.0f} px wide "
         "(give its VBox layout=Layout(align_items='flex-start'))")
+
+
+# Per picture of a widget output: its natural and shown widths, and the output's width.
+PICTURES_JS = """out => [...out.querySelectorAll('img')].map(img => ({
+  natural: img.naturalWidth, shown: img.getBoundingClientRect().width, cell: out.clientWidth}))"""
+# Text cut short by its box (an ellipsis where the words do not fit).
+CUT_LABELS_JS = """out => [...out.querySelectorAll('.widget-label, .widget-readout')]
+  .filter(el => el.scrollWidth > el.clientWidth + 1).map(el => el.textContent)"""
+# Per column of a table: the left edge of its heading and of each of its cells.
+COLUMNS_JS = """table => [...table.rows].map(row =>
+  [...row.cells].map(cell => Math.round(cell.getBoundingClientRect().left)))"""
+LABEL_PX = 9          # the smallest a box label may be drawn on screen, in CSS pixels
+LAG_S = 3.0           # a slider's release to the new picture (one redraw, a loaded machine)
+
+
+def drawn_at_size(output, what: str) -> list[dict]:
+    """Check ``output``'s pictures: loaded, shown at their own width, within the cell."""
+    pictures = output.evaluate(PICTURES_JS)
+    assert pictures, f"{what}: no picture"
+    for p in pictures:
+        assert p["natural"] > 0, f"{what}: a broken picture"
+        assert p["natural"] <= p["cell"], (
+            f"{what}: drawn {p['natural']} px wide, the cell is {p['cell']} px: it is shrunk")
+        assert abs(p["shown"] - p["natural"]) <= 1, (
+            f"{what}: a {p['natural']} px picture is shown {p['shown']:.0f} px wide")
+    return pictures
+
+
+def changes(image, act, what: str) -> float:
+    """Run ``act`` and wait until ``image`` shows another picture; the seconds it took."""
+    from playwright.sync_api import expect
+
+    before = image.get_attribute("src")
+    act()
+    start = time.monotonic()
+    expect(image).not_to_have_attribute("src", before, timeout=30_000)
+    return time.monotonic() - start
+
+
+def drag_to_end(page, slider, image) -> None:
+    """Drag the handle of ``slider`` (an ipywidgets slider) to its right end as a hand
+    does, through every value on the way, and hold it there a moment: ``image`` must not
+    be redrawn before the handle is released (a redraw per value passed is what made
+    the picture trail the slider)."""
+    handle = slider.locator(".noUi-handle").first
+    track = slider.locator(".noUi-base").first.bounding_box()
+    box = handle.bounding_box()
+    y = box["y"] + box["height"] / 2
+    before = image.get_attribute("src")
+    page.mouse.move(box["x"] + box["width"] / 2, y)
+    page.mouse.down()
+    page.mouse.move(track["x"] + track["width"] + 20, y, steps=12)
+    page.wait_for_timeout(500)
+    assert image.get_attribute("src") == before, "the picture is redrawn while the slider moves"
+    page.mouse.up()
+
+
+def test_widgets_of_labs_05_07_08_as_a_student_sees_them(lab, page):
+    from distlab.viz.pipeline import LABEL_PT
+    from playwright.sync_api import expect
+
+    displays = [(0, 1, True)] * len(browser_support.WIDGET_CELLS)
+    check_student_view(page, lab, WIDGETS, expected=[(0, 0, False), (0, 0, False), *displays])
+    outputs = {name: page.locator(f"{PANEL} .jp-Cell").nth(2 + k).locator(".jp-OutputArea-output")
+               for k, name in enumerate(browser_support.WIDGET_CELLS)}
+    lags = {}
+
+    # Lab 05: the table's headings over their columns; a new N redraws table and bars.
+    calc = outputs["MemoryCalculator"]
+    table, image = calc.locator(".widget-html table"), calc.locator("img").first
+    columns = table.evaluate(COLUMNS_JS)
+    assert all(row == columns[0] for row in columns), (
+        f"the calculator's headings are not over their columns (left edges per row: {columns})")
+    assert table.locator("th").all_text_contents() == [
+        "strategy", "formula", "bytes per GPU", "in one H200 (141 GB)"]
+    drawn_at_size(calc, "MemoryCalculator")
+    shot(page, calc, "widgets.memory-before")
+    gpus = calc.locator(".widget-inline-hbox", has_text="GPUs N").locator("input")
+    changes(image, lambda: (gpus.fill("8"), gpus.press("Enter")), "MemoryCalculator")
+    expect(table).to_contain_text("15.0 GB")           # ZeRO-3: 16 bytes × 7.5e9 / 8
+    shot(page, calc, "widgets.memory-after")
+
+    # Lab 07: sliders redraw on release, at one size; labels whole and readable.
+    explorer = outputs["PipelineExplorer"]
+    ideal, measured = explorer.locator("img").nth(0), explorer.locator("img").nth(1)
+    box = explorer.locator(".widget-vbox").first
+    assert not explorer.evaluate(CUT_LABELS_JS), (
+        f"slider labels cut short: {explorer.evaluate(CUT_LABELS_JS)}")
+    pictures = drawn_at_size(explorer, "PipelineExplorer")
+    scale = pictures[0]["shown"] / pictures[0]["natural"]
+    assert LABEL_PT * 100 / 72 * scale >= LABEL_PX, "the Gantt chart's box labels are too small"
+    expect(explorer).to_contain_text("not the sliders")
+    height = box.bounding_box()["height"]
+    shot(page, explorer, "widgets.pipeline-before")
+    m = explorer.locator(".widget-slider", has_text="micro-batches m")
+    measured_src = measured.get_attribute("src")
+    lags["m to 16"] = changes(ideal, lambda: drag_to_end(page, m, ideal), "PipelineExplorer")
+    expect(explorer.locator(".widget-html").first).to_contain_text("m = 16")
+    p = explorer.locator(".widget-slider", has_text="stages p")
+    lags["p to 8"] = changes(ideal, lambda: drag_to_end(page, p, ideal), "PipelineExplorer")
+    expect(explorer.locator(".widget-html").first).to_contain_text("p = 8, m = 16")
+    assert measured.get_attribute("src") == measured_src, "the measured run moved with a slider"
+    assert abs(box.bounding_box()["height"] - height) <= 2, (
+        f"the explorer grew from {height:.0f} to {box.bounding_box()['height']:.0f} px with p")
+    drawn_at_size(explorer, "PipelineExplorer at p = 8, m = 16")
+    shot(page, explorer, "widgets.pipeline-after")
+    changes(measured, lambda: explorer.locator(".widget-toggle-button", has_text="1F1B").click(),
+            "PipelineExplorer's schedule")
+    assert all(lag < LAG_S for lag in lags.values()), (
+        f"the picture trails the slider: seconds from release to picture {lags}")
+
+    # Lab 08: another bucket size, another timeline.
+    picker = outputs["TimelinePicker"]
+    drawn_at_size(picker, "TimelinePicker")
+    changes(picker.locator("img").first,
+            lambda: picker.locator(".widget-toggle-button", has_text=re.compile(r"^\s*1 MiB\s*$")).click(),
+            "TimelinePicker")
+    drawn_at_size(picker, "TimelinePicker, 1 MiB")
+    shot(page, picker, "widgets.timeline-after")
+    assert not page.console_errors, f"the browser logged errors: {page.console_errors}"
+    (ARTIFACTS / "widgets.lags.txt").write_text(
+        "".join(f"{k}: {v:.2f} s from release to picture\n" for k, v in lags.items()))

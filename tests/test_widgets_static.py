@@ -7,6 +7,14 @@ solutions/*.ipynb must carry a picture (image/png) or a text that says something
 without the widget state must show that fallback. The ring stepper of lab 03 must
 fall back to a picture of its steps.
 
+The widgets of labs 05, 07 and 08, made as tests/browser_support.py makes them for the
+browser test, are checked where no browser is needed: labels inside boxes fit their
+boxes at their full font size; the memory calculator's labels and key stay clear of its
+bars, its line and its frame, its log axis labels no minor tick, and its table has a
+heading per column; the pipeline explorer's sliders redraw on release only, its
+pictures keep one size whatever p and m, and its measured run does not follow the
+sliders; the traffic plot's key covers no bar.
+
 Progress bars (``launch.progress``) must be stored finished: a stored tqdm widget shows
 its first frame ("0%") in a static view, so the bar's widget gives way to a plain line
 with the final count when it closes, and a re-run under nbval prints the same line.
@@ -16,8 +24,10 @@ from __future__ import annotations
 import base64
 import html
 import re
+import struct
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import nbformat
@@ -187,3 +197,171 @@ def test_a_bar_is_stored_finished_and_passes_nbval(tmp_path):
                           "--nbval", "--nbval-current-env", str(path)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"nbval fails on the stored bars:\n{run.stdout[-3000:]}"
+
+
+# ---- the widgets of labs 05, 07 and 08 ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def lab_widgets():
+    import browser_support
+
+    pytest.importorskip("ipywidgets")
+    return browser_support.widgets_in_process()
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    return struct.unpack(">II", bytes(data)[16:24])
+
+
+def drawn(fig):
+    """Draw ``fig`` (closed, as the viz functions return it) with Agg; its renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return canvas.get_renderer()
+
+
+def drawn_box_labels(fig):
+    """Draw ``fig``; every box label of its axes as (label, its extent, its box's width)."""
+    from distlab.viz.labels import BoxLabel
+
+    renderer = drawn(fig)
+    return [(a, a.get_window_extent(renderer) if a.shown else None, a.box_width_px())
+            for ax in fig.axes for a in ax.get_children() if isinstance(a, BoxLabel)]
+
+
+def check_fitting(labels, minimum_pt: float = 7) -> None:
+    assert labels, "no box label drawn: the check would check nothing"
+    for label, extent, width in labels:
+        assert label.get_fontsize() >= minimum_pt, f"{label.shown!r} drawn at {label.get_fontsize()} pt"
+        if label.shown:
+            assert label.shown in label.texts
+            assert extent.width <= width, (
+                f"{label.shown!r} is {extent.width:.0f} px wide in a {width:.0f} px box")
+
+
+def test_a_label_too_wide_for_its_box_is_not_drawn():
+    import matplotlib.pyplot as plt
+
+    from distlab.viz.labels import box_label
+
+    fig, ax = plt.subplots(figsize=(4, 1))
+    ax.set_xlim(0, 100)
+    wide, narrow = box_label(ax, 0, 50, 0, ["a long label"]), box_label(ax, 60, 62, 0, ["x"])
+    short = box_label(ax, 70, 80, 0, ["a long label", "ok"])
+    fig.canvas.draw()
+    plt.close(fig)
+    assert (wide.shown, narrow.shown, short.shown) == ("a long label", None, "ok")
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (8, 16), (1, 16), (8, 1)])
+def test_the_gantt_labels_fit_their_boxes(lab_widgets, p, m):
+    explorer = lab_widgets["PipelineExplorer"]
+    explorer.p.value, explorer.m.value = p, m
+    labels = drawn_box_labels(explorer.ideal_figure())
+    check_fitting(labels)
+    backward = [label for label, _, _ in labels if label.texts[0].startswith("B")]
+    assert all(label.shown for label in backward), (   # twice a forward's width: room
+        f"backward boxes without a label: {[b.texts[0] for b in backward if not b.shown]}")
+    if m <= 8:
+        assert all(label.shown == label.texts[0] for label, _, _ in labels)
+    check_fitting(drawn_box_labels(explorer.measured_figure()))
+
+
+def test_the_timeline_labels_fit_their_bars(lab_widgets):
+    picker = lab_widgets["TimelinePicker"]
+    labels = [x for label in picker.timelines for x in drawn_box_labels(picker.figure(label))]
+    check_fitting(labels)
+    assert any(label.shown for label, _, _ in labels) and not all(
+        label.shown for label, _, _ in labels), "the stand-ins have bars too narrow for a label"
+
+
+def test_the_explorer_redraws_on_release_at_one_size(lab_widgets):
+    explorer = lab_widgets["PipelineExplorer"]
+    for slider in (explorer.p, explorer.m):
+        assert slider.continuous_update is False, f"{slider.description} redraws at every value"
+        assert slider.style.description_width == "initial", f"{slider.description}: label cut"
+    measured, sizes = bytes(explorer.measured_image.value), set()
+    for p, m in [(1, 1), (8, 16), (3, 5), (8, 1)]:
+        explorer.p.value, explorer.m.value = p, m
+        sizes.add(png_size(explorer.image.value))
+        assert bytes(explorer.measured_image.value) == measured, "the measured run follows a slider"
+    assert len(sizes) == 1, f"the ideal schedule's picture changes size with p and m: {sizes}"
+    assert "not the sliders" in explorer.caption.value
+    width = png_size(explorer.image.value)[0]
+    assert width <= 900, f"the explorer's picture is {width} px wide: a notebook cell shrinks it"
+
+
+class _Table(HTMLParser):
+    """The rows of an HTML table: per row, ("th" or "td", text) per cell."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("th", "td"):
+            self.rows[-1].append([tag, ""])
+
+    def handle_data(self, data):
+        if self.rows and self.rows[-1]:
+            self.rows[-1][-1][1] += data
+
+
+def test_the_calculators_table_has_a_heading_per_column(lab_widgets):
+    calc = lab_widgets["MemoryCalculator"]
+    table = _Table()
+    table.feed(calc.table.value)
+    head, *rows = table.rows
+    assert [text for _, text in head] == ["strategy", "formula", "bytes per GPU",
+                                          f"in one {calc.gpu.value}"]
+    assert {tag for tag, _ in head} == {"th"} and all(len(row) == len(head) for row in rows)
+    assert all(row[2][1].endswith("GB") and row[3][1] in ("fits", "does not fit") for row in rows)
+
+
+@pytest.mark.parametrize("psi, n", [(7.5e9, 64), (7.5e9, 8), (1e6, 4), (70e9, 8), (1e12, 1024),
+                                    (1e9, 1)])
+def test_the_calculators_picture_keeps_its_labels_clear(psi, n):
+    from matplotlib.lines import Line2D
+
+    from distlab.units import decimal_bytes
+    from distlab.viz.zero import GPUS, calculator_figure, calculator_table
+
+    fig = calculator_figure(psi, n, GPUS["H200 (141 GB)"])
+    renderer = drawn(fig)
+    ax = fig.axes[0]
+    frame = ax.get_window_extent(renderer)
+    lines = [a.get_window_extent(renderer) for a in ax.get_children()
+             if isinstance(a, Line2D) and a.get_linestyle() == "--"]
+    assert lines, "no GPU line drawn"
+    for text in [t for t in ax.texts if t.get_text()] + ax.get_xticklabels():
+        box = text.get_window_extent(renderer)
+        assert not any(box.overlaps(line) for line in lines), f"the line runs through {text.get_text()!r}"
+        assert box.y1 < frame.y0 or (box.y0 > frame.y0 + 2 and box.y1 < frame.y1 - 2), (
+            f"{text.get_text()!r} touches the frame")
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert not legend.overlaps(frame), "the key covers the bars"
+    assert all(not t.get_text() for t in ax.yaxis.get_minorticklabels()), "minor ticks labelled"
+    shown = [t.get_text() for t in ax.get_yticklabels()
+             if frame.y0 - 1 <= t.get_window_extent(renderer).y0 <= frame.y1 + 1]
+    assert len(shown) >= 2 and all(t.endswith("B") for t in shown), shown
+    ticks = " ".join(t.get_text() for t in ax.get_xticklabels())
+    assert all(decimal_bytes(b) in ticks for _, _, b in calculator_table(psi, n))
+
+
+def test_the_traffic_plots_key_covers_no_bar():
+    from matplotlib.patches import Rectangle
+
+    from distlab.viz.zero import plot_traffic
+
+    fig = plot_traffic({"data parallel": 2.0, "ZeRO-1": 2.0, "ZeRO-3": 3.0, "torch FSDP2": 2.95})
+    renderer = drawn(fig)
+    ax = fig.axes[0]
+    key = ax.get_legend().get_window_extent(renderer)
+    bars = [p.get_window_extent(renderer) for p in ax.patches if isinstance(p, Rectangle)]
+    assert bars and not any(key.overlaps(bar) for bar in bars), "the key covers a bar"
+    labels = [t.get_window_extent(renderer) for t in ax.texts]
+    assert not any(key.overlaps(label) for label in labels), "the key covers a bar's label"
