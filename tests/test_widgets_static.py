@@ -365,3 +365,24 @@ def test_the_traffic_plots_key_covers_no_bar():
     assert bars and not any(key.overlaps(bar) for bar in bars), "the key covers a bar"
     labels = [t.get_window_extent(renderer) for t in ax.texts]
     assert not any(key.overlaps(label) for label in labels), "the key covers a bar's label"
+
+
+@pytest.mark.parametrize("widget, lab", [("MemoryCalculator", "05_zero"),
+                                         ("PipelineExplorer", "07_pipeline_parallel"),
+                                         ("TimelinePicker", "08_overlap")])
+def test_the_browser_test_displays_each_widget_as_its_lab_does(widget, lab):
+    """The browser test's notebook (tests/browser_support.py) ends each display cell
+    with the call its lab makes; a lab that calls the widget otherwise must be followed."""
+    import ast
+
+    import browser_support
+
+    path = ROOT / "solutions" / f"{lab}.ipynb"
+    if not path.exists():
+        pytest.skip(f"no {path.name}")
+    call = lambda source: ast.dump(ast.parse(source).body[-1])  # noqa: E731
+    labs = [call(c.source) for c in nbformat.read(path, as_version=4).cells
+            if c.cell_type == "code" and f"{widget}(" in c.source]
+    assert labs, f"{path.name} no longer displays a {widget}"
+    assert call(browser_support.WIDGET_CELLS[widget]) in labs, (
+        f"{path.name} displays its {widget} with another call than tests/browser_support.py")
