@@ -238,15 +238,17 @@ def test_bad_layouts_say_what_to_change():
     assert "= 8" in product and "4 ranks" in product
 
 
-def test_the_cli_runs_under_torchrun_on_two_cpu_processes():
+def test_the_cli_runs_under_torchrun_on_four_cpu_processes():
+    """Tensor and pipeline parallelism across torchrun's processes (4 processes cost a
+    few seconds more than 2 here)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("DISTLAB_WORKER", None)
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "distlab.train", "--dp", "2",
-         "--steps", "2", "--model", "test"],
-        capture_output=True, text=True, timeout=90, env=env, check=False)
+        [torchrun, "--standalone", "--nproc-per-node", "4", "-m", "distlab.train", "--tp", "2",
+         "--pp", "2", "--steps", "2", "--model", "test"],
+        capture_output=True, text=True, timeout=120, env=env, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "dp=2 × pp=1 × tp=1" in proc.stdout
+    assert "dp=1 × pp=2 × tp=2" in proc.stdout
     assert "step    1  loss" in proc.stdout and "tokens/s  MFU n/a" in proc.stdout
-    assert "done: 2 steps on 2 rank(s)" in proc.stdout
+    assert "done: 2 steps on 4 rank(s)" in proc.stdout
