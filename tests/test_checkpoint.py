@@ -506,3 +506,49 @@ def test_commit_moves_the_pointer_last(tmp_path, monkeypatch):
     assert _commit(str(tmp_path), written(1), 1, 2) == str(tmp_path / "step-1.2")
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
         "latest", "step-1.2", "step-3"]                # keep=2; abandoned .tmp- removed
+
+
+# ------------------------------------------------- the composed step of distlab.train
+
+
+def trainer_run(root, layout, first, last, save_at=None):
+    """distlab.train's step in fp64 at ``layout`` = (dp, pp), from checkpoint ``first``
+    (0: from scratch) to step ``last``, saving after step ``save_at``: the losses, the
+    whole model's weights, and what a save at tp = 2 raises."""
+    from distlab.mesh import Mesh
+    from distlab.train import build
+
+    dp, pp = layout
+    trainer = build(CFG, Mesh(dp=dp, pp=pp), precision="fp64", lr=1e-2)
+    if first:
+        assert checkpoint.load(f"{root}/trainer", {"trainer": trainer}) == first
+    losses = []
+    for step in range(first, last):
+        losses.append(trainer.step(trainer.local_batch(LANG, step, BATCH, SEQ), BATCH))
+        if step + 1 == save_at:
+            checkpoint.save(f"{root}/trainer", {"trainer": trainer}, step=save_at)
+    refused = None
+    if dist.get_world_size() == 4:
+        with_tp = build(CFG, Mesh(dp=2, tp=2), precision="fp64")
+        try:
+            checkpoint.save(f"{root}/trainer_tp", {"trainer": with_tp}, step=0)
+        except NotImplementedError as exc:
+            refused = str(exc)
+    return losses, trainer.full_state_dict(), refused
+
+
+def test_the_composed_step_resumes_at_another_dp_and_pp(root):
+    """Saved at (dp, pp) = (2, 2) after 2 of 4 steps (the tied embedding on two stages),
+    resumed at (3, 1): the same losses and weights as the uninterrupted run, optimizer
+    state included; at tp = 2 the save is refused, saying why."""
+    losses, weights_, refused = launch.run(trainer_run, 4, root, (2, 2), 0, 4, 2,
+                                           backend="gloo", timeout=120)[0]
+    assert "tp > 1" in refused and "not supported" in refused
+    got, resumed, _ = launch.run(trainer_run, 3, root, (3, 1), 2, 4, backend="gloo",
+                                 timeout=120)[0]
+    assert max(abs(a - b) for a, b in zip(got, losses[2:])) < 1e-12, (got, losses)
+    assert resumed.keys() == weights_.keys()
+    for name, value in weights_.items():
+        assert (resumed[name] - value).abs().max() < 1e-12, name
+    assert (weights_["blocks.0.mlp.up.weight"] - gpt(0)
+            .get_parameter("blocks.0.mlp.up.weight")).abs().max() > 1e-3   # it did train

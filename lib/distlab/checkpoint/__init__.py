@@ -44,6 +44,10 @@ the single-process model, under its key in ``state``: ``model.<param>``,
   optimizer's state over them;
 * :class:`distlab.pp.Stage`: its module keeps the whole model's names, so each stage
   saves and requests its own subset of the keys.
+* a :class:`distlab.train.Trainer` (``{"trainer": trainer}``; the composed step at tp = 1):
+  each bucket's master pieces and AdamW moments as flat ranges, as FSDP's, under the
+  single-process names, a weight tied across stages under both of its names; so a run
+  saved at one (dp, pp) resumes at another.
 
 **Limits found.** ``DTensor.from_local(..., shape=, stride=)`` over ``tensor_split`` pieces
 that differ from ``torch.chunk``'s (13 rows on 3 ranks: 5, 4, 4 against 5, 5, 3) is saved
@@ -51,8 +55,8 @@ that differ from ``torch.chunk``'s (13 rows on 3 ranks: 5, 4, 4 against 5, 5, 3)
 checkpoint (a load then fails on a size mismatch, or reads wrong rows); hence the
 ``ShardedTensor`` there, which torch marks as deprecated in favour of DTensor (its
 FutureWarnings are silenced here) but which DCP still reads and writes natively. Not covered:
-ZeRO over a tensor-parallel model (a 2-D layout); models from ``tp.parallelize_with_torch``
-(refused: their DTensors hold qkv's rows in head order); the fp32 master weights of a
+ZeRO over a tensor-parallel model (a 2-D layout: ShardedOptimizer, or the Trainer at
+tp > 1); models from ``tp.parallelize_with_torch`` (refused: their DTensors hold qkv's rows in head order); the fp32 master weights of a
 low-precision model under ShardedOptimizer (the model's own weights are saved; after a load
 the masters are refreshed from them).
 
@@ -190,6 +194,7 @@ def _apply(state: dict, sd: dict, placeholders: dict[str, _Local]) -> None:
     master shards at its next forward.)"""
     from torch.optim import Optimizer
 
+    from distlab.train import Trainer
     from distlab.zero import FullyShardedDataParallel
 
     modules = {k: _unwrap(v) for k, v in state.items() if isinstance(v, nn.Module)}
@@ -207,6 +212,10 @@ def _apply(state: dict, sd: dict, placeholders: dict[str, _Local]) -> None:
                 set_optimizer_state_dict(module, value, sd[key])
             else:
                 _load_optim(value, module, key, sd[key], placeholders)
+        elif isinstance(value, Trainer):   # masters and moments were loaded in place
+            for bucket in value.buckets:
+                bucket.state["step"] = int(sd[key]["adamw_step"])
+                bucket.flat.gather().wait()
         elif not isinstance(value, nn.Module):
             state[key] = sd[key]
 

@@ -20,11 +20,15 @@ def _build(state: dict, saved: dict | None) -> dict:
     this library's shards as :class:`_Local` placeholders for :func:`_realize`."""
     from torch.optim import Optimizer
 
+    from distlab.train import Trainer
+
     modules = {k: _unwrap(v) for k, v in state.items() if isinstance(v, nn.Module)}
     sd = {}
     for key, value in state.items():
         if isinstance(value, nn.Module):
             sd[key] = _module_dcp(modules[key])
+        elif isinstance(value, Trainer):
+            sd[key] = _trainer_dcp(value, loading=saved is not None)
         elif isinstance(value, Optimizer):
             sd[key] = _optim_dcp(value, modules[_owner(value, modules, key)], key, saved)
         else:
@@ -108,6 +112,42 @@ def _module_dcp(module: nn.Module) -> dict:
     layouts = _tp_layouts(module)
     return {name: _Local(t.detach(), layouts.get(name) or _Layout.whole(t.shape))
             for name, t in module.state_dict(keep_vars=True).items()}
+
+
+def _trainer_dcp(trainer, loading: bool) -> dict:
+    """A :class:`distlab.train.Trainer` (ZeRO-2 over DP, a pipeline stage): each parameter's
+    master piece as ``model.<name>`` and AdamW's moments over it as
+    ``optim.<name>.exp_avg`` / ``.exp_avg_sq``, flat ranges as FSDP's pieces; a tied
+    parameter saved under each of the single-process model's names (stage 0 holds
+    ``tok_emb.weight``, the last stage ``head.weight``: either loads either); AdamW's step
+    count whole. Loading fills a fresh trainer's masters and moments in place."""
+    from distlab.model import GPT
+
+    if trainer.mesh.grid.tp > 1:
+        raise NotImplementedError("checkpointing the composed step with tp > 1 (ZeRO over a "
+                                  "tensor-parallel model, a 2-D layout) is not supported")
+    with torch.device("meta"):
+        whole = GPT(trainer.model.cfg)
+    names_of: dict[int, list[str]] = {}
+    for name, p in whole.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    aliases = {n: names for names in names_of.values() for n in names}
+    model, optim, steps = {}, {}, 0
+    for bucket in trainer.buckets:
+        flat, state = bucket.flat, bucket.state
+        if loading and not state:            # a fresh trainer: moments to load into
+            state.update(step=0, exp_avg=torch.zeros_like(flat.master),
+                         exp_avg_sq=torch.zeros_like(flat.master))
+        steps = max(steps, state.get("step", 0))
+        for name, p, off, (lo, hi) in zip(flat.names, flat.params, flat.offsets, flat.ranges):
+            at = off + lo - flat.start if hi > lo else 0
+            layout = _flat_range(p.shape, lo, hi)
+            for alias in ([name] if loading else aliases.get(name, [name])):
+                model[alias] = _Local(flat.master[at:at + hi - lo], layout)
+                if "exp_avg" in state:
+                    optim[alias] = {k: _Local(state[k][at:at + hi - lo], layout)
+                                    for k in ("exp_avg", "exp_avg_sq")}
+    return {"model": model, "optim": optim, "adamw_step": steps}
 
 
 def _tp_layouts(module: nn.Module) -> dict[str, _Layout]:
