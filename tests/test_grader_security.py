@@ -566,5 +566,7 @@ def test_without_a_private_loopback_nothing_is_counted(monkeypatch):
         pass
     assert reading.payload is None
     wire.at_most(reading, 0, "nothing")  # not counted: no verdict from the wire
-    assert wire.evidence_of(True, False) == "self-reported"
+    assert wire.checks_made()[1] >= 1, "a wire check with nothing counted is recorded"
+    assert wire.evidence_of(True, False) == wire.evidence_of(False, False, True) == \
+        "self-reported"
     assert wire.evidence_of(True, True) == "wire" and wire.evidence_of(False, False) == ""

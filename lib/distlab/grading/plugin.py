@@ -76,13 +76,14 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
-def _evidence_marks() -> tuple[int, int]:
-    """(CommLogs rebuilt from ranks' records, wire checks made) in this process so far:
-    a test that rebuilt a log and made no wire check passed on self-reported traffic."""
+def _evidence_marks() -> tuple[int, int, int]:
+    """(CommLogs rebuilt from ranks' records, wire checks with bytes counted, without)
+    in this process so far: a test that rebuilt a log, or made a wire check with nothing
+    counted, and made no counted wire check passed on self-reported traffic."""
     from distlab import comm
     from distlab.grading import wire
 
-    return comm.logs_rebuilt(), wire.checks_made()
+    return (comm.logs_rebuilt(), *wire.checks_made())
 
 
 def exercise_of(test_file: str) -> str:
@@ -102,7 +103,7 @@ class _Recorder:
         self.spent: dict[str, float] = {}
         self.exercise: dict[str, str] = {}  # test id → exercise
         self.current: str | None = None  # the exercise whose tests run now
-        self.marks = (0, 0)  # CommLogs rebuilt, wire checks made, when the test started
+        self.marks = (0, 0, 0)  # _evidence_marks() when the test started
 
     def _write(self, record: dict) -> None:
         if "test" in record:
@@ -166,9 +167,10 @@ class _Recorder:
         elif report.passed:
             from distlab.grading import wire
 
-            logs, checks = (now - then for now, then in zip(_evidence_marks(), self.marks))
+            logs, counted, uncounted = (now - then for now, then in
+                                        zip(_evidence_marks(), self.marks))
             self._write({"test": report.nodeid, "outcome": "passed", "message": "",
-                         "evidence": wire.evidence_of(logs > 0, checks > 0)})
+                         "evidence": wire.evidence_of(logs > 0, counted > 0, uncounted > 0)})
         else:
             kind, message = getattr(report, "distlab_verdict", ("error", "the test broke"))
             self._write({"test": report.nodeid, "outcome": kind, "message": message})

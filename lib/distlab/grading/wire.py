@@ -29,8 +29,8 @@ is a ring of sends (n-1)/n. :func:`gloo_bytes` gives gloo's measured cost per ca
 
 Without namespaces (not root, or no ``unshare``) there is no private loopback to count:
 :func:`measure` yields a reading whose ``payload`` is None, :func:`at_most` checks
-nothing, and the grader marks the points of tests that read a CommLog
-"self-reported" (:func:`evidence_of`).
+nothing, and the grader marks the points of tests that read a CommLog, or made such an
+empty wire check, "self-reported" (:func:`evidence_of`).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ _GLOO = {
     "send": lambda n: 1,
 }
 
-_checks = [0]  # wire checks made in this process with evidence (the plugin reads it)
+_checks = [0, 0]  # wire checks made in this process: with bytes counted, without
 
 
 def private_loopback() -> bool:
@@ -200,6 +200,7 @@ def at_most(reading: Reading, expected: int, what: str) -> None:
     from distlab.units import human_bytes
 
     if reading.payload is None:
+        _checks[1] += 1
         return
     _checks[0] += 1
     moved = reading.payload - reading.allowance
@@ -212,12 +213,13 @@ def at_most(reading: Reading, expected: int, what: str) -> None:
             f"{human_bytes(SLACK)} of headers)")
 
 
-def checks_made() -> int:
-    """Wire checks made in this process with counted bytes (the plugin reads it)."""
-    return _checks[0]
+def checks_made() -> tuple[int, int]:
+    """Wire checks made in this process so far: (with bytes counted, without any)."""
+    return _checks[0], _checks[1]
 
 
-def evidence_of(read_commlog: bool, wire_checked: bool) -> str:
+def evidence_of(read_commlog: bool, wire_checked: bool, uncounted: bool = False) -> str:
     """How a test's traffic was evidenced: "wire" (bytes counted outside the ranks),
-    "self-reported" (only a CommLog the ranks returned), or "" (no traffic checked)."""
-    return "wire" if wire_checked else "self-reported" if read_commlog else ""
+    "self-reported" (only a CommLog the ranks returned, or a wire check that had no
+    bytes to count), or "" (no traffic checked)."""
+    return "wire" if wire_checked else "self-reported" if read_commlog or uncounted else ""
