@@ -124,6 +124,22 @@ def test_the_hint_to_open_comes_from_the_kits_test_and_the_notebooks_titles(tmp_
     assert "\x1b" not in shown
 
 
+def test_self_reported_points_are_counted_and_say_why(monkeypatch):
+    """Points resting on a CommLog the ranks returned are marked, with why the bytes were
+    not counted: here a grader that is not root."""
+    from distlab.grading import output
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert output.traffic_evidence().startswith("self-reported: the grader is not root")
+    shown = runner.table([runner.Result("zero2_step", 17, 20, "partial", "x", self_reported=3),
+                          runner.Result("shard_range", 8, 8, "pass", "")])
+    assert "17/20 (3 self-reported)" in shown and "8/8 " in shown, shown
+    assert shown.splitlines()[-1] == (
+        "self-reported: 3 of these points rest on traffic the ranks reported themselves "
+        "(CommLog), which their code could forge; the grader is not root, so the ranks get "
+        "no network of their own")
+
+
 def test_every_hint_the_kit_points_to_exists():
     """Each exercise test's HINTS names tests of that file and hints that the solution
     notebook has above the exercise."""
