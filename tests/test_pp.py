@@ -473,8 +473,9 @@ def test_the_bench_runs_on_cpu_beside_torchs_pipelining(tmp_path, capsys):
     for key in (("gpipe", 1), ("gpipe", 4), ("1f1b", 4)):
         r = rows[key]
         assert r["torch_error"] is None, r["torch_error"]
-        assert r["torch_step_ms"] > 0 and r["vs_torch"] == pytest.approx(
-            r["step_ms"] / r["torch_step_ms"])
+        (ours, theirs), = r["rounds_ms"]  # --steps 1: one round of one step each
+        assert r["torch_step_ms"] == pytest.approx(theirs) and r["vs_torch"] == pytest.approx(
+            ours / theirs) and ours > 0
     assert rows[("1f1b", 1)]["vs_torch"] is None  # torch's Schedule1F1B refuses m < p
     judged = [dict(rows[("gpipe", 4)], vs_torch=pp_bench.GOAL * 1.01),
               dict(rows[("1f1b", 4)], vs_torch=pp_bench.GOAL * 0.99),

@@ -7,20 +7,23 @@ a range of micro-batch counts.
 It launches one rank per stage (``--stages``, NCCL when every rank can have a GPU),
 cuts the GPT (``--model gpt-100m`` by default) into balanced stages
 (:class:`distlab.pp.Stage`), and for each schedule and each m trains a few steps
-(AdamW, ``--dtype`` autocast) on a fixed global batch, twice: with our runtime
-(:class:`distlab.pp.PipelineRunner`) and with ``torch.distributed.pipelining``
-(``PipelineStage`` around the same stage, ``ScheduleGPipe`` or ``Schedule1F1B``, the
-tied embedding's gradient summed as ours does), on the same model, micro-batches and
-stages, one after the other in the same launch (not 1F1B with m < p, which torch's
-``Schedule1F1B`` refuses). The first of the ``--warmup`` steps of
-ours also connects the neighbouring stages (:meth:`distlab.pp.p2p.StageLink.connect`,
-NCCL's lazy connection setup), out of the measurement. Per configuration it reports
-the median step time of both and their ratio, the measured idle fraction of our last
-step (CUDA events on a GPU), the formula, each stage's peak of live micro-batches and,
-on GPUs, each stage's peak memory under our runtime (``torch.cuda.max_memory_allocated``).
-It writes ``pp_bench.json`` (rows and the last step's timelines), ``pp_bubble.png``,
-``pp_memory.png`` and ``pp_gantt.png`` to ``--out``, and prints the table. On NCCL it
-exits 1 when our step takes more than :data:`GOAL` times torch's (:func:`goal_misses`).
+(AdamW, ``--dtype`` autocast) on a fixed global batch: first with our runtime
+(:class:`distlab.pp.PipelineRunner`) alone, for its step time, idle fraction, timeline
+and peak memory; then step by step in alternation with ``torch.distributed.pipelining``
+(``PipelineStage`` around a second copy of the same stage, ``ScheduleGPipe`` or
+``Schedule1F1B``, the tied embedding's gradient summed as ours does): the same model,
+micro-batches and stages in the same launch, a drifting machine slowing both alike
+(not 1F1B with m < p, which torch's ``Schedule1F1B`` refuses). The first of the
+``--warmup`` steps of ours also connects the neighbouring stages
+(:meth:`distlab.pp.p2p.StageLink.connect`, NCCL's lazy connection setup), out of the
+measurement. Per configuration it reports our median step time, torch's, and the
+median over the alternated rounds of ours over torch's (the slowest stage's time in
+each), the measured idle fraction of our last step (CUDA events on a GPU), the formula,
+each stage's peak of live micro-batches and, on GPUs, each stage's peak memory under
+our runtime (``torch.cuda.max_memory_allocated``). It writes ``pp_bench.json`` (rows,
+rounds and the last step's timelines), ``pp_bubble.png``, ``pp_memory.png`` and
+``pp_gantt.png`` to ``--out``, and prints the table. On NCCL it exits 1 when our step
+takes more than :data:`GOAL` times torch's (:func:`goal_misses`).
 """
 from __future__ import annotations
 
@@ -44,14 +47,12 @@ from distlab.pp.runtime import sum_tied_gradients
 GOAL = 1.25  # our step time over torch.distributed.pipelining's, at most (every schedule, m)
 
 
-def _timed(step, params, steps: int, warmup: int, device, cuda: bool, memory: bool) -> list[float]:
-    """Seconds of each of ``warmup + steps`` training steps: ``step()`` (forward and
-    backward), then AdamW; the peak memory counted from the first measured step."""
+def _trainer(step, params, device, cuda: bool):
+    """A training step to time: ``step()`` (forward and backward), then AdamW; called, it
+    returns its seconds, started on an idle device after a barrier."""
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
-    times = []
-    for n in range(warmup + steps):
-        if n == warmup and memory and cuda:
-            torch.cuda.reset_peak_memory_stats(device)
+
+    def timed() -> float:
         dist.barrier()
         sync(device)
         start = time.perf_counter()
@@ -59,8 +60,8 @@ def _timed(step, params, steps: int, warmup: int, device, cuda: bool, memory: bo
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
-        times.append(time.perf_counter() - start)
-    return times
+        return time.perf_counter() - start
+    return timed
 
 
 def torch_pipeline(stage, name: str, m: int, device):
@@ -85,8 +86,9 @@ def torch_pipeline(stage, name: str, m: int, device):
 def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[int],
             schedules: list[str], steps: int, warmup: int) -> list[dict]:
     """On each rank (one stage each): every (schedule, m), trained ``warmup + steps``
-    steps with our runtime, then as many with torch's pipelining. Returns one row per
-    configuration with this stage's figures."""
+    steps with our runtime, then ``warmup`` steps of torch's pipelining and ``steps``
+    rounds of one step of each. Returns one row per configuration with this stage's
+    figures."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = backend.device()
     cuda = device.type == "cuda"
@@ -106,28 +108,35 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
         def ours():
             with autocast:
                 runner.step(inputs, targets)
-        times = _timed(ours, stage.parameters(), steps, warmup, device, cuda, memory=True)
+        step_ours = _trainer(ours, stage.parameters(), device, cuda)
+        times = []
+        for n in range(warmup + steps):
+            if n == warmup and cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            times.append(step_ours())
         row = {"schedule": name, "m": m, "stage": rank, "layers": stage.layer_names,
                "step_s": statistics.median(times[warmup:]),
                "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-               "timeline": runner.timeline, "torch_step_s": None, "torch_error": None}
-        del stage, runner
+               "timeline": runner.timeline, "rounds": None, "torch_error": None}
         if not (name == "1f1b" and m < world):  # torch's Schedule1F1B refuses m < p
             torch.manual_seed(0)
             with torch.device(device):
-                stage = pp.Stage(GPT(cfg), rank, world)
+                other = pp.Stage(GPT(cfg), rank, world)
             try:
-                step = torch_pipeline(stage, name, m, device)
+                step = torch_pipeline(other, name, m, device)
 
                 def theirs():
                     with autocast:
                         step(inputs, targets)
-                times = _timed(theirs, stage.parameters(), steps, warmup, device, cuda,
-                               memory=False)
-                row["torch_step_s"] = statistics.median(times[warmup:])
+                step_theirs = _trainer(theirs, other.parameters(), device, cuda)
+                for _ in range(warmup):
+                    step_theirs()
+                # alternated, so that a drifting machine slows both alike
+                row["rounds"] = [(step_ours(), step_theirs()) for _ in range(steps)]
             except Exception as exc:  # noqa: BLE001  (the API changes between torch versions)
                 row["torch_error"] = f"{type(exc).__name__}: {(str(exc) or '-').splitlines()[0]}"
-            del stage
+            del other
+        del stage, runner
         rows.append(row)
         if cuda:
             torch.cuda.empty_cache()
@@ -143,13 +152,18 @@ def summarise(per_rank: list[list[dict]], batch_size: int, seq_len: int) -> list
         events = [e for r in mine for e in r["timeline"]]
         step = max(r["step_s"] for r in mine)
         errors = [r["torch_error"] for r in mine if r["torch_error"]]
-        theirs = None if errors or mine[0]["torch_step_s"] is None else max(
-            r["torch_step_s"] for r in mine)
+        rounds = None if errors or mine[0]["rounds"] is None else [
+            [max(r["rounds"][k][j] for r in mine) for j in (0, 1)]  # the slowest stage's
+            for k in range(len(mine[0]["rounds"]))]
         live = pp.peak_live(events)
         out.append({"schedule": first["schedule"], "m": first["m"], "p": p,
                     "step_ms": 1e3 * step, "tokens_per_s": batch_size * seq_len / step,
-                    "torch_step_ms": None if theirs is None else 1e3 * theirs,
-                    "vs_torch": None if theirs is None else step / theirs,
+                    "torch_step_ms": None if rounds is None else 1e3 * statistics.median(
+                        t for _, t in rounds),
+                    "vs_torch": None if rounds is None else statistics.median(
+                        o / t for o, t in rounds),
+                    "rounds_ms": None if rounds is None else [[1e3 * o, 1e3 * t]
+                                                              for o, t in rounds],
                     "torch_error": errors[0] if errors else None,
                     "idle": pp.idle_fraction(events, p),
                     "formula": pp.bubble_fraction(p, first["m"]),
@@ -257,7 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", default="1,2,4,8,16",
                    help="comma-separated micro-batch counts (each at most --batch-size)")
     p.add_argument("--schedules", default="gpipe,1f1b")
-    p.add_argument("--steps", type=int, default=5, help="measured steps per configuration")
+    p.add_argument("--steps", type=int, default=8,
+                   help="measured steps per configuration, and rounds against torch's")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="auto", choices=backend.BACKENDS)
     p.add_argument("--timeout", type=float, default=600,
