@@ -39,7 +39,8 @@ from distlab.comm import bus_factor
 from distlab.pp.schedule import bubble_fraction
 from distlab.zero.memory import zero_bytes
 
-__all__ = ["Model", "Plan", "Layout", "layouts", "suggest", "divisors"]
+__all__ = ["Layout", "Model", "Plan", "activation_bytes", "divisors", "estimate", "layouts",
+           "suggest"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,4 +90,4 @@ class Planner:
         return data
 
 
-__all__ = ["Planner", "Model", "Plan", "rows", "table_text"]
+__all__ = ["Model", "Plan", "Planner", "rows", "table_text"]

@@ -16,7 +16,6 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.model import GPT, config
@@ -82,11 +81,7 @@ def train(step_fn, runs, groups=None):
         buckets = [FlatParams([(n, params[n]) for n in names], group,
                               torch.bfloat16 if bf16 else None) for names in plan(model)]
         seen, counts, current = [], [], {}
-        model.register_forward_pre_hook(lambda *_: seen.append(
-            {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}))
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda _p: counts[-1].append(
-                current["log"].count(RS_OPS) if "log" in current else -1))
+        _record(model, seen, counts, current)
         state, losses, logs, kept, moments = {}, [], [], [], None
         for step in range(STEPS):
             x, y = batch_of(step, 1000 * g, index, size)
@@ -109,6 +104,16 @@ def train(step_fn, runs, groups=None):
                      "weights": {n: p.detach().to(torch.float64, copy=True)
                                  for n, p in model.named_parameters()}}
     return out
+
+
+def _record(model, seen: list, counts: list, current: dict) -> None:
+    """Hooks that append to ``seen`` the weights each forward reads and to ``counts[-1]``,
+    at each gradient accumulated, the reduce-scatters ``current["log"]`` holds so far."""
+    model.register_forward_pre_hook(lambda *_: seen.append(
+        {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: counts[-1].append(
+            current["log"].count(RS_OPS) if "log" in current else -1))
 
 
 def first_moments(state, buckets: int):

@@ -148,9 +148,9 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(student):
                 f"{where}: all_reduce of {[e.nbytes for e in large]} bytes over ranks "
                 f"{large[0].group_ranks}" + (" (the whole world)" if large[0].group_ranks == (0, 1)
                                            else "") + ": the gradients all-reduced, averaged "
-                f"over every rank the call spans. Reduce-scatter each bucket over `group` "
-                f"only (reduce_scatter_mean with bucket.group): the world may hold other DP "
-                f"groups, and an all-reduce moves twice a reduce-scatter's bytes")
+                "over every rank the call spans. Reduce-scatter each bucket over `group` "
+                "only (reduce_scatter_mean with bucket.group): the world may hold other DP "
+                "groups, and an all-reduce moves twice a reduce-scatter's bytes")
             assert len(reduces) <= 1, (f"{where}: {len(reduces)} all-reduces; the only one a "
                                        f"ZeRO-2 step needs is the loss's, one number")
 
@@ -217,7 +217,7 @@ def test_each_group_averages_over_its_own_ranks_only(student):
         g = rank // 2
         ref = one_process((1000 * g,))
         got = out["fp64"]
-        gap, name = largest_gap(got["weights"], ref["weights"])
+        gap, _ = largest_gap(got["weights"], ref["weights"])
         if gap > 1e-9:
             world, _ = largest_gap(got["weights"], one_process((0, 1000))["weights"])
             if world < 1e-9:
