@@ -511,44 +511,63 @@ def test_commit_moves_the_pointer_last(tmp_path, monkeypatch):
 # ------------------------------------------------- the composed step of distlab.train
 
 
-def trainer_run(root, layout, first, last, save_at=None):
-    """distlab.train's step in fp64 at ``layout`` = (dp, pp), from checkpoint ``first``
-    (0: from scratch) to step ``last``, saving after step ``save_at``: the losses, the
-    whole model's weights, and what a save at tp = 2 raises."""
+def trainer_run(root, runs):
+    """distlab.train's step in fp64, for each (name, (dp, tp, pp), first, last, save_at)
+    of ``runs``: from checkpoint ``first`` of ``root/name`` (0: from scratch) to step
+    ``last``, saving after step ``save_at``; the losses and the whole model's weights."""
     from distlab.mesh import Mesh
     from distlab.train import build
 
-    dp, pp = layout
-    trainer = build(CFG, Mesh(dp=dp, pp=pp), precision="fp64", lr=1e-2)
-    if first:
-        assert checkpoint.load(f"{root}/trainer", {"trainer": trainer}) == first
-    losses = []
-    for step in range(first, last):
-        losses.append(trainer.step(trainer.local_batch(LANG, step, BATCH, SEQ), BATCH))
-        if step + 1 == save_at:
-            checkpoint.save(f"{root}/trainer", {"trainer": trainer}, step=save_at)
-    refused = None
-    if dist.get_world_size() == 4:
-        with_tp = build(CFG, Mesh(dp=2, tp=2), precision="fp64")
-        try:
-            checkpoint.save(f"{root}/trainer_tp", {"trainer": with_tp}, step=0)
-        except NotImplementedError as exc:
-            refused = str(exc)
-    return losses, trainer.full_state_dict(), refused
+    out = []
+    for name, (dp, tp_size, pp), first, last, save_at in runs:
+        trainer = build(CFG, Mesh(dp=dp, tp=tp_size, pp=pp), precision="fp64", lr=1e-2)
+        if first:
+            assert checkpoint.load(f"{root}/{name}", {"trainer": trainer}) == first
+        losses = []
+        for step in range(first, last):
+            losses.append(trainer.step(trainer.local_batch(LANG, step, BATCH, SEQ), BATCH))
+            if step + 1 == save_at:
+                checkpoint.save(f"{root}/{name}", {"trainer": trainer}, step=save_at)
+        out.append((losses, trainer.full_state_dict()))
+    return out
 
 
-def test_the_composed_step_resumes_at_another_dp_and_pp(root):
-    """Saved at (dp, pp) = (2, 2) after 2 of 4 steps (the tied embedding on two stages),
-    resumed at (3, 1): the same losses and weights as the uninterrupted run, optimizer
-    state included; at tp = 2 the save is refused, saying why."""
-    losses, weights_, refused = launch.run(trainer_run, 4, root, (2, 2), 0, 4, 2,
-                                           backend="gloo", timeout=120)[0]
-    assert "tp > 1" in refused and "not supported" in refused
-    got, resumed, _ = launch.run(trainer_run, 3, root, (3, 1), 2, 4, backend="gloo",
-                                 timeout=120)[0]
-    assert max(abs(a - b) for a, b in zip(got, losses[2:])) < 1e-12, (got, losses)
-    assert resumed.keys() == weights_.keys()
-    for name, value in weights_.items():
-        assert (resumed[name] - value).abs().max() < 1e-12, name
-    assert (weights_["blocks.0.mlp.up.weight"] - gpt(0)
-            .get_parameter("blocks.0.mlp.up.weight")).abs().max() > 1e-3   # it did train
+def test_the_composed_step_resumes_at_another_layout(root):
+    """Saved after 2 of 4 steps at (dp, tp, pp) = (2, 1, 2) (the tied embedding on two
+    stages) and at (1, 2, 2) (ZeRO over TP: flat ranges of qkv's head-regrouped rows, of
+    row- and column-split weights), resumed on 3 ranks at (3, 1, 1) and (1, 3, 1): the
+    uninterrupted runs' losses and weights, optimizer state included."""
+    saved_runs = launch.run(trainer_run, 4, root, [("dp_pp", (2, 1, 2), 0, 4, 2),
+                                                   ("tp_pp", (1, 2, 2), 0, 4, 2)],
+                            backend="gloo", timeout=120)[0]
+    resumed_runs = launch.run(trainer_run, 3, root, [("dp_pp", (3, 1, 1), 2, 4, None),
+                                                     ("tp_pp", (1, 3, 1), 2, 4, None)],
+                              backend="gloo", timeout=120)[0]
+    start = gpt(0).get_parameter("blocks.0.mlp.up.weight")
+    for (losses, weights_), (got, resumed) in zip(saved_runs, resumed_runs):
+        assert max(abs(a - b) for a, b in zip(got, losses[2:])) < 1e-12, (got, losses)
+        assert resumed.keys() == weights_.keys()
+        for name, value in weights_.items():
+            assert (resumed[name] - value).abs().max() < 1e-12, name
+        assert (weights_["blocks.0.mlp.up.weight"] - start).abs().max() > 1e-3  # it trained
+
+
+def test_a_flat_range_of_a_tensor_parallel_shard_lands_at_its_global_offsets():
+    """ZeRO's range of a TP shard's flattening, cut into rectangles in the whole tensor:
+    a shard of rows, of columns, of a vector, and of rows regrouped (qkv's)."""
+    from distlab.checkpoint.layouts import _flat_range_of, _Layout, _rows
+
+    whole = torch.arange(80).view(10, 8)
+    cases = [(_Layout((10, 8), [((3, 0), (4, 8), lambda t: t)]), whole[3:7]),
+             (_Layout((10, 8), [((0, 2), (10, 3), lambda t: t)]), whole[:, 2:5]),
+             (_rows((10, 8), [1, 2, 5, 6, 7, 0]), whole[[1, 2, 5, 6, 7, 0]]),
+             (_Layout((8,), [((4,), (3,), lambda t: t)]), whole[0, 4:7])]
+    for outer, local in cases:
+        n, glob = local.numel(), whole if len(outer.shape) == 2 else whole[0]
+        for lo, hi in [(0, n), (1, n - 1), (3, min(17, n)), (n // 2, n), (4, 4)]:
+            piece, covered = local.reshape(-1)[lo:hi], 0
+            for offsets, sizes, view in _flat_range_of(outer, local.shape, lo, hi).chunks:
+                region = glob[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+                assert torch.equal(view(piece), region), (outer.shape, lo, hi, offsets)
+                covered += region.numel()
+            assert covered == hi - lo

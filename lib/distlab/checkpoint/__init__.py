@@ -44,19 +44,23 @@ the single-process model, under its key in ``state``: ``model.<param>``,
   optimizer's state over them;
 * :class:`distlab.pp.Stage`: its module keeps the whole model's names, so each stage
   saves and requests its own subset of the keys.
-* a :class:`distlab.train.Trainer` (``{"trainer": trainer}``; the composed step at tp = 1):
-  each bucket's master pieces and AdamW moments as flat ranges, as FSDP's, under the
-  single-process names, a weight tied across stages under both of its names; so a run
-  saved at one (dp, pp) resumes at another.
+* a :class:`distlab.train.Trainer` (``{"trainer": trainer}``, the composed step): each
+  bucket's master pieces and AdamW moments are flat ranges of the parameters' TP shards;
+  each range is cut into rectangles of the shard (as ShardedOptimizer's), and each
+  rectangle moved to where the shard lies in the whole tensor (row or column offsets,
+  qkv's rows regrouped by head), under the single-process names, a weight tied across
+  stages under both of its names. So a run saved at one (dp, tp, pp) resumes at any
+  other.
 
 **Limits found.** ``DTensor.from_local(..., shape=, stride=)`` over ``tensor_split`` pieces
 that differ from ``torch.chunk``'s (13 rows on 3 ranks: 5, 4, 4 against 5, 5, 3) is saved
 *without an error* but with chunk offsets computed the ``torch.chunk`` way, i.e. a corrupt
 checkpoint (a load then fails on a size mismatch, or reads wrong rows); hence the
 ``ShardedTensor`` there, which torch marks as deprecated in favour of DTensor (its
-FutureWarnings are silenced here) but which DCP still reads and writes natively. Not covered:
-ZeRO over a tensor-parallel model (a 2-D layout: ShardedOptimizer, or the Trainer at
-tp > 1); models from ``tp.parallelize_with_torch`` (refused: their DTensors hold qkv's rows in head order); the fp32 master weights of a
+FutureWarnings are silenced here) but which DCP still reads and writes natively. Not
+covered: ShardedOptimizer over a tensor-parallel model (the Trainer's buckets are);
+models from ``tp.parallelize_with_torch`` (refused: their DTensors hold qkv's rows in
+head order); the fp32 master weights of a
 low-precision model under ShardedOptimizer (the model's own weights are saved; after a load
 the masters are refreshed from them).
 

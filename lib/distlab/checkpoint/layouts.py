@@ -91,6 +91,35 @@ def _flat_range(shape, lo: int, hi: int) -> _Layout:
     return _Layout(shape, chunks)
 
 
+def _flat_range_of(outer: _Layout, local_shape, lo: int, hi: int) -> _Layout:
+    """A 1-D local tensor holding elements ``[lo, hi)`` of the flattened local tensor of
+    ``local_shape``, itself laid out in the global tensor by ``outer`` (a tensor-parallel
+    shard, whose chunks tile the local tensor along dim 0 in order): ZeRO over TP. Each
+    rectangle of the flat range is cut where ``outer``'s chunks meet and moved to its
+    global offsets."""
+    local_shape, chunks = tuple(local_shape), []
+    starts, row = [], 0
+    for _offsets, sizes, _view in outer.chunks:      # each outer chunk's first local row
+        starts.append(row)
+        row += sizes[0] if sizes else 1
+    for offsets, sizes in _rects(local_shape, lo, hi):
+        flat = sum(o * math.prod(local_shape[i + 1:]) for i, o in enumerate(offsets)) - lo
+        if not local_shape:
+            chunks.append(((), (), lambda t, s=flat: t[s:s + 1].view(())))
+            continue
+        r0, r1 = offsets[0], offsets[0] + sizes[0]
+        width = math.prod(sizes[1:])        # elements per row of the rectangle
+        for (g, _s, _v), a, (_, csizes, _) in zip(outer.chunks, starts, outer.chunks):
+            top, bottom = max(r0, a), min(r1, a + csizes[0])
+            if top >= bottom:
+                continue
+            where = (g[0] + top - a,) + tuple(go + o for go, o in zip(g[1:], offsets[1:]))
+            size = (bottom - top,) + tuple(sizes[1:])
+            start, n = flat + (top - r0) * width, (bottom - top) * width
+            chunks.append((where, size, lambda t, s=start, n=n, z=size: t[s:s + n].view(z)))
+    return _Layout(tuple(outer.shape), chunks)
+
+
 @dataclass
 class _Local:
     """A placeholder in the DCP state dict: ``tensor`` (this rank's) laid out by ``layout``."""

@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distlab.checkpoint.commit import _quiet
-from distlab.checkpoint.layouts import _Layout, _Local, _flat_range, _rows, _split
+from distlab.checkpoint.layouts import (_Layout, _Local, _flat_range, _flat_range_of, _rows,
+                                        _split)
 
 
 # --------------------------------------------------------------- the state dict for DCP
@@ -115,17 +116,16 @@ def _module_dcp(module: nn.Module) -> dict:
 
 
 def _trainer_dcp(trainer, loading: bool) -> dict:
-    """A :class:`distlab.train.Trainer` (ZeRO-2 over DP, a pipeline stage): each parameter's
-    master piece as ``model.<name>`` and AdamW's moments over it as
-    ``optim.<name>.exp_avg`` / ``.exp_avg_sq``, flat ranges as FSDP's pieces; a tied
-    parameter saved under each of the single-process model's names (stage 0 holds
-    ``tok_emb.weight``, the last stage ``head.weight``: either loads either); AdamW's step
-    count whole. Loading fills a fresh trainer's masters and moments in place."""
+    """A :class:`distlab.train.Trainer` (ZeRO-2 over DP of a tensor-parallel pipeline
+    stage): each parameter's master piece as ``model.<name>`` and AdamW's moments over it
+    as ``optim.<name>.exp_avg`` / ``.exp_avg_sq``: a flat range of the parameter's TP
+    shard, placed in the whole tensor (:func:`_flat_range_of`); a tied parameter saved
+    under each of the single-process model's names (stage 0 holds ``tok_emb.weight``,
+    the last stage ``head.weight``: either loads either); AdamW's step count whole.
+    Loading fills a fresh trainer's masters and moments in place."""
     from distlab.model import GPT
 
-    if trainer.mesh.grid.tp > 1:
-        raise NotImplementedError("checkpointing the composed step with tp > 1 (ZeRO over a "
-                                  "tensor-parallel model, a 2-D layout) is not supported")
+    tp_layouts = _tp_layouts(trainer.model) if trainer.mesh.grid.tp > 1 else {}
     with torch.device("meta"):
         whole = GPT(trainer.model.cfg)
     names_of: dict[int, list[str]] = {}
@@ -141,7 +141,8 @@ def _trainer_dcp(trainer, loading: bool) -> dict:
         steps = max(steps, state.get("step", 0))
         for name, p, off, (lo, hi) in zip(flat.names, flat.params, flat.offsets, flat.ranges):
             at = off + lo - flat.start if hi > lo else 0
-            layout = _flat_range(p.shape, lo, hi)
+            layout = _flat_range_of(tp_layouts.get(name) or _Layout.whole(p.shape), p.shape,
+                                    lo, hi)
             for alias in ([name] if loading else aliases.get(name, [name])):
                 model[alias] = _Local(flat.master[at:at + hi - lo], layout)
                 if "exp_avg" in state:
