@@ -6,6 +6,13 @@ plain data only: per case, the answer, the input as it was left, and the CommLog
 records. Every check runs here, in the test process: the answer against the sum
 computed here, the traffic against a ring (:func:`distlab.collectives.ring.check_traffic`), and all
 ranks' calls against NCCL's rules (:func:`distlab.collectives.p2p_check.nccl_deadlock`).
+
+ring_reduce_scatter's traffic points rest on the bytes counted on the wire during the
+launch (:mod:`distlab.grading.wire`): a ring moves (K-1)/K of the buffer per rank, and
+gloo's reduce_scatter or all_reduce, called behind the tracer's back under a forged log,
+twice that. The other two stay self-reported: gloo's all_gather and all_reduce move
+exactly what a ring all-gather and all-reduce move (measured), so no byte count tells a
+forged ring from gloo's call; the ring's shape (who sends to whom) only the CommLog shows.
 """
 import sys
 
@@ -17,7 +24,7 @@ import torch.distributed as dist
 from distlab import launch
 from distlab.collectives import ring
 from distlab.comm import CommLog
-from distlab.grading import expect_close
+from distlab.grading import expect_close, wire
 from distlab.collectives.p2p_check import nccl_deadlock
 
 TIMEOUT = 60
@@ -72,10 +79,14 @@ def expected(name, shape, dtype, members, rank):
     return total.reshape(shape)
 
 
+def where(members, world_size):
+    return (f"on {len(members)} ranks" if len(members) == world_size
+            else f"on the group of global ranks {list(members)}")
+
+
 def describe(shape, dtype, members, world_size):
-    where = (f"on {len(members)} ranks" if len(members) == world_size
-             else f"on the group of global ranks {list(members)}")
-    return f"{'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')} elements {where}"
+    return (f"{'x'.join(map(str, shape))} {str(dtype).removeprefix('torch.')} elements "
+            f"{where(members, world_size)}")
 
 
 # ---------------------------------------------------------------------- in the ranks
@@ -115,19 +126,21 @@ def run_cases(fn, name, members):
 
 # ----------------------------------------------------------------- in the test process
 
-_runs = {}
+_runs, _readings = {}, {}
 
 
 def outcome(student, name, members, world_size):
     """Every rank's findings for exercise ``name`` on ``members`` of ``world_size`` ranks,
-    from one launch shared by the tests that need it (errors and deadlocks too)."""
+    from one launch shared by the tests that need it (errors and deadlocks too); the
+    bytes it put on the wire are kept for :func:`check_wire`."""
     key = (name, tuple(members), world_size)
     if key not in _runs:
-        try:
-            _runs[key] = launch.run(run_cases, world_size, getattr(student, name), name,
-                                    tuple(members), backend="gloo", timeout=TIMEOUT)
-        except launch.LaunchError as exc:
-            _runs[key] = exc
+        with wire.measure(world_size) as _readings[key]:
+            try:
+                _runs[key] = launch.run(run_cases, world_size, getattr(student, name), name,
+                                        tuple(members), backend="gloo", timeout=TIMEOUT)
+            except launch.LaunchError as exc:
+                _runs[key] = exc
     if isinstance(_runs[key], Exception):
         raise _runs[key]
     return _runs[key]
@@ -172,6 +185,24 @@ def check_traffic(name, runs, members, world_size):
             assert problem is None, f"{what}: {problem}"
 
 
+def check_wire(name, members, world_size):
+    """ring_reduce_scatter: the bytes counted on the wire during the launch, at most what
+    a ring moves on every case (:func:`distlab.collectives.ring.bytes_sent`, summed over
+    the members); a subgroup's handshakes fall within the wire's slack. The other two
+    exercises are not checked: gloo's own all_gather and all_reduce move exactly what
+    their rings move, so the bytes would pass a forged log (their points stay
+    self-reported)."""
+    if name != "ring_reduce_scatter":
+        return
+    op, K = OPS[name], len(members)
+    ring_bytes = sum(ring.bytes_sent(op, torch.Size(shape).numel(),
+                                     torch.empty((), dtype=dtype).element_size(), r, K)
+                     for shape, dtype in cases(name, K) for r in range(K))
+    wire.at_most(_readings[(name, tuple(members), world_size)], ring_bytes,
+                 f"{name}, all cases {where(members, world_size)} (a ring moves (K-1)/K of "
+                 f"the buffer per rank)")
+
+
 def check_nccl(name, runs, members, world_size):
     order = sorted(enumerate(cases(name, len(members))),  # the largest first, in messages
                    key=lambda case: -torch.Size(case[1][0]).numel())
@@ -195,12 +226,14 @@ def make_tests(name):
     def test_ring_traffic(student, world_size):
         members = tuple(range(world_size))
         check_traffic(name, outcome(student, name, members, world_size), members, world_size)
+        check_wire(name, members, world_size)
 
     def test_on_a_subgroup(student):
         """Ranks 1, 2, 3 of 4: group ranks 0, 1, 2 are global ranks 1, 2, 3."""
         runs = outcome(student, name, SUBGROUP, 4)
         check_answers(name, runs, SUBGROUP, 4)
         check_traffic(name, runs, SUBGROUP, 4)
+        check_wire(name, SUBGROUP, 4)
 
     def test_outside_the_group(student):
         what, x = outcome(student, name, SUBGROUP, 4)[0]["outside"]

@@ -4,7 +4,10 @@ leaves its tensor untouched.
 
 The ranks run the student's function and return plain data (tensors, what came back,
 the CommLog's records); every check is made here, in the test process, against values
-computed here.
+computed here. The traffic point rests on the bytes counted on the wire
+(:mod:`distlab.grading.wire`): at most one gloo all_reduce of each case, which a hidden
+second collective or an all_gather-and-average (K/2 times the bytes) exceeds; the
+large case is there so that bytes can tell.
 """
 import pytest
 import torch
@@ -12,10 +15,10 @@ import torch.distributed as dist
 
 from distlab import backend, launch
 from distlab.comm import CommLog
-from distlab.grading import expect_close
+from distlab.grading import expect_close, wire
 
 NOTEBOOK = "00_setup"
-CASES = [(shape, dtype) for shape in [(1,), (7,), (3, 5), (0,)]
+CASES = [(shape, dtype) for shape in [(1,), (7,), (3, 5), (0,), (1 << 15,)]
          for dtype in (torch.float32, torch.float64)]
 MEMBERS = [0, 2, 3]  # the subgroup of 4 ranks; rank 1 is outside it
 
@@ -43,8 +46,9 @@ def _every_case(all_reduce_mean):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_mean_over_all_ranks(student, world_size):
-    results = launch.run(_every_case, world_size, student.all_reduce_mean, backend="gloo",
-                         timeout=30)
+    with wire.measure(world_size) as reading:
+        results = launch.run(_every_case, world_size, student.all_reduce_mean,
+                             backend="gloo", timeout=30)
     for (shape, dtype), *cases in zip(CASES, *results):
         mean = sum(_inputs(r, shape, dtype).double() for r in range(world_size)) / world_size
         for rank, case in enumerate(cases):
@@ -56,6 +60,10 @@ def test_mean_over_all_ranks(student, world_size):
                 f"was given, changed in place")
             ops = [e.op for e in CommLog.from_records(case["log"]).collectives()]
             assert ops == ["all_reduce"], f"use exactly one all_reduce; the log shows {ops}"
+    one_each = sum(wire.gloo_bytes("all_reduce", torch.Size(shape).numel() * dtype.itemsize,
+                                   world_size, calls=1) for shape, dtype in CASES)
+    wire.at_most(reading, one_each, f"all_reduce_mean on {world_size} ranks, every case (one "
+                 f"all_reduce of each tensor)")
 
 
 def _on_a_subgroup(all_reduce_mean):

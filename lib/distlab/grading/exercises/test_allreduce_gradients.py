@@ -7,7 +7,9 @@ tied to the token embedding, a frozen parameter (``ln_f.bias``), a parameter the
 never uses (``unused``), and a global batch of 10 sequences (uneven over 3 and 4 ranks).
 One launch per world size runs every case; the ranks return plain data (gradients,
 weights, losses, the CommLog's records) and every check is made here, against the
-single-process computation done here.
+single-process computation done here. The traffic point rests on the bytes counted on
+the wire during that launch (:mod:`distlab.grading.wire`): at most gloo's all_reduce of
+each gradient once, which all-reducing twice, or weights too, exceeds.
 """
 import sys
 
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from distlab import launch
 from distlab.comm import CommLog
-from distlab.grading import expect_close
+from distlab.grading import expect_close, wire
 from dp_cases import local_loss, make_model, one_process, snapshot
 
 NOTEBOOK = "04_data_parallel"
@@ -66,15 +68,17 @@ def rank_cases(allreduce_gradients):
     return out
 
 
-_runs = {}
+_runs, _readings = {}, {}
 
 
 def run(student, world):
-    """Every case at ``world`` ranks, launched once and shared by the tests."""
+    """Every case at ``world`` ranks, launched once and shared by the tests; the bytes it
+    put on the wire are kept in ``_readings``."""
     if world not in _runs:
         try:
-            _runs[world] = launch.run(rank_cases, world, student.allreduce_gradients,
-                                      backend="gloo", timeout=30)
+            with wire.measure(world) as _readings[world]:
+                _runs[world] = launch.run(rank_cases, world, student.allreduce_gradients,
+                                          backend="gloo", timeout=30)
         except launch.RankError as e:
             hint = f" ({NONE_GRAD_HINT})" if "NoneType" in str(e) else ""
             _runs[world] = e if e.exc_type == "NotImplementedError" else AssertionError(
@@ -167,6 +171,14 @@ def test_one_all_reduce_of_each_gradient(student, world):
             f"and nothing else (no weights, no parameters without a gradient)")
         assert count <= len(with_grad), (
             f"rank {rank} of {world}: {count} all_reduce calls for {len(with_grad)} gradients")
+    # the launch: once in float64, STEPS times in float32 (half the bytes), once on PAIR;
+    # the headers of one call per gradient (the most this test allows)
+    calls = len(with_grad)
+    once = (wire.gloo_bytes("all_reduce", grad_bytes, world, calls)
+            + wire.gloo_bytes("all_reduce", grad_bytes // 2 * STEPS, world, calls * STEPS)
+            + (wire.gloo_bytes("all_reduce", grad_bytes, len(PAIR), calls) if world >= 3 else 0))
+    wire.at_most(_readings[world], once, f"allreduce_gradients at {world} rank(s), every "
+                 f"step of the test (one all_reduce of each gradient)")
 
 
 @pytest.mark.parametrize("world", WORLDS)
