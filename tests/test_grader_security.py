@@ -254,11 +254,6 @@ for _folder in ("/tmp", "/dev/shm"):  # left behind, if these are the machine's
         pass
 
 
-def all_reduce_mean(tensor, group=None):
-    dist.all_reduce(tensor, group=group)
-    return tensor.div_(dist.get_world_size(group))
-
-
 def probe():
     import glob, os
     import distlab.zero.step
@@ -279,8 +274,7 @@ def probe():
     found["exercises"] = sorted(os.listdir(exercises))
     return found
 '''
-_PROBE_TEST = '''NOTEBOOK = "00_setup"
-
+_PROBE_TEST = '''
 
 def test_the_answers_cannot_be_read(student):
     found = student.probe()
@@ -291,90 +285,102 @@ def test_the_answers_cannot_be_read(student):
     assert found["exercises"] == [], f"the exercise tests were readable: {found['exercises']}"
 '''
 
+# Lab 03's answers forged: gloo's all_reduce behind the tracer's back, and the sends of a
+# ring (every chunk but its own, then every chunk but its successor's) logged by hand.
+_FORGERS = '''
 
-_FORGER = '''
-def ring_reduce_scatter(tensor, group=None):
-    """All-reduce the whole tensor behind the tracer's back, and log a ring's sends."""
+def _gloo_behind_the_tracer(flat, group):
     from distlab import comm as _comm
-    K, rank = dist.get_world_size(group), dist.get_rank(group)
-    full = tensor.reshape(-1).clone()
     _comm._state.depth += 1
     try:
-        dist.all_reduce(full, group=group)
+        dist.all_reduce(flat, group=group)
     finally:
         _comm._state.depth -= 1
-    chunks = torch.tensor_split(full, K)
+
+
+def _log_a_ring(tensor, group, skips):
+    from distlab import comm as _comm
+    K, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [c.numel() * c.element_size() for c in torch.tensor_split(tensor.reshape(-1), K)]
     for log in _comm._logs:
         log.events += [_comm.CommEvent(
-            op="isend", nbytes=chunks[0].numel() * 4, dtype="float32", rank=rank,
-            peer=(rank + 1) % K, group_size=K, group_ranks=tuple(range(K)), async_op=True,
-            start=0.0, end=0.0) for _ in range(K - 1)]
-    return chunks[rank].clone()
+            op="isend", nbytes=sizes[c], dtype=None, rank=rank, peer=(rank + 1) % K,
+            group_size=K, group_ranks=tuple(range(K)), async_op=True, start=0.0, end=0.0)
+            for skip in skips for c in range(K) if c != (rank + skip) % K]
+
+
+def ring_reduce_scatter(tensor, group=None):
+    full = tensor.reshape(-1).clone()
+    _gloo_behind_the_tracer(full, group)
+    _log_a_ring(tensor, group, (0,))
+    return torch.tensor_split(full, dist.get_world_size(group))[dist.get_rank(group)].clone()
+
+
+def ring_allreduce(tensor, group=None):
+    _gloo_behind_the_tracer(tensor, group)
+    _log_a_ring(tensor, group, (0, 1))
+    return tensor
 '''
 
-_TRAFFIC_TESTS = '''
-import torch
+# The kit's own checks of lab 03 (ring_cases.py), on 2 ranks: one launch per exercise.
+_RING_TESTS = '''NOTEBOOK = "03_ring_allreduce"
+NAME = "{name}"
+MEMBERS = (0, 1)
 
-from distlab import launch
-from distlab.comm import CommLog
-from distlab.grading import wire
-
-N, W = 1 << 16, 2  # 256 KiB per rank: a ring's sends are 128 KiB a rank
+from ring_cases import check_answers, check_traffic, check_wire, outcome
 
 
-def _run(fn):
-    with CommLog() as log:
-        fn(torch.ones(N))
-    return log.records()
+def test_sum(student):
+    check_answers(NAME, outcome(student, NAME, MEMBERS, 2), MEMBERS, 2)
 
 
-def test_traffic_as_the_ranks_report_it(student):
-    for rank, records in enumerate(launch.run(_run, W, student.ring_reduce_scatter,
-                                              backend="gloo", timeout=60)):
-        log = CommLog.from_records(records, rank)
-        assert not log.collectives(), "a collective instead of a ring"
-        assert log.bytes_sent() <= N * 4 * (W - 1) // W, "more than a ring sends"
-
-
-def test_traffic_on_the_wire(student):
-    with wire.measure(W) as reading:
-        launch.run(_run, W, student.ring_reduce_scatter, backend="gloo", timeout=60)
-    wire.at_most(reading, (W - 1) * N * 4, "the ring reduce-scatter's traffic")
+def test_ring_traffic(student):
+    check_traffic(NAME, outcome(student, NAME, MEMBERS, 2), MEMBERS, 2)
+    check_wire(NAME, MEMBERS, 2)
 '''
 
 
 @ROOT_ONLY
 def test_graded_ranks_cannot_read_the_answers_leave_files_in_tmp_nor_forge_traffic(tmp_path):
-    """One grading run (the probe's), three defences: the answers are hidden, /tmp and
-    /dev/shm are the run's own, and a forged CommLog no longer earns traffic points. The
-    forger all-reduces behind the tracer's back and logs a ring's sends: the CommLog check
-    still passes, and is reported self-reported; the bytes counted on the run's own
-    loopback, outside the ranks, fail it (an all-reduce moves twice a ring
-    reduce-scatter)."""
+    """One grading run of lab 03 (the probe's), three defences: the answers are hidden,
+    /tmp and /dev/shm are the run's own, and a forged CommLog no longer earns the traffic
+    points that rest on the wire. The forgers all-reduce behind the tracer's back and log
+    a ring's sends: the kit's CommLog checks still pass them. ring_reduce_scatter's point
+    rests on the bytes counted on the run's own loopback, outside the ranks, and is lost
+    (an all-reduce moves twice a ring reduce-scatter); ring_allreduce's cannot (gloo's
+    all_reduce moves exactly a ring's bytes), and is kept, reported self-reported."""
     import uuid
 
     import distlab.zero.step  # noqa: F401  (its bytecode exists to be hidden)
 
     mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
-    tests = _tests(tmp_path, {"all_reduce_mean": _PROBE_TEST + _TRAFFIC_TESTS}, conftest=True)
-    path = _notebook(tmp_path, "00_setup",
-                     {"all_reduce_mean": _PROBE.replace("MARK", mark) + _FORGER})
+    tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),
+                              "ring_allreduce": _RING_TESTS.format(name="ring_allreduce")
+                              + _PROBE_TEST}, conftest=True)
+    (tests / "ring_cases.py").write_text((runner.TESTS / "ring_cases.py").read_text())
+    path = _notebook(tmp_path, "03_ring_allreduce",
+                     {"ring_reduce_scatter": _FORGERS,
+                      "ring_allreduce": _PROBE.replace("MARK", mark)})
     try:
         results, _ = _grade(tmp_path, path, tests)
         left = [f for f in (Path("/tmp") / mark, Path("/dev/shm") / mark) if f.exists()]
     finally:
         for folder in ("/tmp", "/dev/shm"):
             (Path(folder) / mark).unlink(missing_ok=True)
-    r = results["all_reduce_mean"]
     assert left == [], f"the student's code left {left} on the machine"
-    if not sandbox.network_namespace():  # nothing counted: both traffic points self-reported
-        assert (r["points"], r["max_points"], r["self_reported"]) == (3, 3, 2), r
+    got = {name: (results[name]["points"], results[name]["max_points"],
+                  results[name]["self_reported"])
+           for name in ("ring_reduce_scatter", "ring_allreduce")}
+    rs = results["ring_reduce_scatter"]
+    if not sandbox.network_namespace():  # nothing counted: every traffic point self-reported
+        assert got == {"ring_reduce_scatter": (2, 2, 1), "ring_allreduce": (3, 3, 1)}, results
         return
-    assert (r["points"], r["max_points"], r["self_reported"]) == (2, 3, 1), r
-    assert r["message"].startswith("test_traffic_on_the_wire: the ring reduce-scatter's "
-                                   "traffic: your ranks moved"), r
-    ratio = re.search(r"([\d.]+)x the 256.0 KiB expected", r["message"])
-    assert ratio and 1.9 <= float(ratio[1]) <= 2.3, r  # an all-reduce: twice a ring
+    assert got == {"ring_reduce_scatter": (1, 2, 0), "ring_allreduce": (3, 3, 1)}, results
+    assert rs["message"].startswith("test_ring_traffic: ring_reduce_scatter, all cases on 2 "
+                                    "ranks (a ring moves (K-1)/K of the buffer per rank): your "
+                                    "ranks moved"), rs
+    ratio = re.search(r"([\d.]+)x the [\d.]+ [KM]iB expected", rs["message"])
+    assert ratio and 1.9 <= float(ratio[1]) <= 2.3, rs  # an all-reduce: twice a ring
 
 
 # ------------------------------------------------ 4. FIFOs and the time limit
