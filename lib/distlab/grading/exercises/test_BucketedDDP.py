@@ -50,6 +50,9 @@ TIMEOUT = 30           # seconds a launch may take: a deadlock is reported withi
 PAIR, PAIR_WORLD = [1, 3], 4   # a subgroup whose rank 0 is not global rank 0
 
 
+# The traffic checks are self-reported (CommLog only): bucket sizes, their order, whether a
+# call is asynchronous and when it starts are not in the bytes on the wire (one all-reduce
+# per parameter moves what the buckets move), wire.py.
 def calls(log):
     """The collectives of a CommLog as plain data: (op, bytes, async, start)."""
     return [(e.op, e.nbytes, e.async_op, e.start) for e in log.events]

@@ -378,7 +378,10 @@ def check_training(out, pair=False):
 def check_traffic(out, pair=False):
     """Per step: in forward one all-gather, in backward one all-gather and one
     reduce-scatter, each moving the full parameters once (padded to equal pieces);
-    CommLog counts an all-gather by its output and a reduce-scatter by its input."""
+    CommLog counts an all-gather by its output and a reduce-scatter by its input.
+    Self-reported (CommLog only): under gloo an all_reduce moves what a reduce_scatter
+    moves, and a unit that skips the second all-gather moves less, which no upper bound
+    on the wire catches (wire.py)."""
     for where, world, me, found in members(out, pair):
         padded = world * -(-NUMEL // world) * ELEMENT
         calls = found["build_calls"]

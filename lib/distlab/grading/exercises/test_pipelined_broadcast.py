@@ -87,6 +87,9 @@ def _check_values(runs, members, world_size):
 
 
 def _check_traffic(runs, members, world_size):
+    # Self-reported (CommLog only): bytes cannot tell. gloo's broadcast, called behind the
+    # tracer's back, moves (K-1)·N in all, as a chain does (and as a star does); who sent
+    # to whom only the log shows (wire.py).
     total = 0
     for rank in members:
         for (src, shape, chunks, dtype), found in zip(_cases(members), runs[rank]["cases"]):

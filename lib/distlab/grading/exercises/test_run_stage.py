@@ -312,6 +312,8 @@ def check_training(student, schedule, p, m, batch, members=None, world=None):
         for n, value in ranks[rank]["params"].items():
             expect_close(value, params[n], f"{what}: stage {members.index(rank)}'s {n} after "
                          f"{STEPS} SGD steps, against one process", RTOL, ATOL)
+    # self-reported (CommLog only): NCCL's rules are about the order and grouping of the
+    # calls, which bytes on the wire cannot show (wire.py)
     problem = nccl_deadlock([r["log"] for r in ranks])
     assert problem is None, f"{what}: ran on gloo, but {on_nccl(problem)}"
 

@@ -359,7 +359,8 @@ def check_gradient(case, out):
 
 def check_communication(case, out):
     """Forward: all-reduces only, of at most two numbers per token each, over the group;
-    at most four. Backward: nothing."""
+    at most four. Backward: nothing. Self-reported (CommLog only): the whole logits are
+    10 KB, so even gathering them stays near the wire's slack and its headers (wire.py)."""
     for rank, gsize, grank, found in members(case, out):
         what = where(case, rank, len(out), gsize, grank)
         calls = [(e["op"], e["nbytes"]) for e in found["forward"]]

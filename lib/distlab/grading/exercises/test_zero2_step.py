@@ -162,7 +162,9 @@ def test_the_state_holds_this_ranks_shard_only(student, world):
 def test_one_reduce_scatter_and_one_all_gather_per_step(student, world):
     """CommLog counts a reduce-scatter by its input and an all-gather by its output
     (nccl-tests' convention): each of the two moves the buffer once, padded to equal
-    pieces; an all-reduce would move it twice."""
+    pieces; an all-reduce would move it twice. Self-reported (CommLog only): under gloo a
+    reduce_scatter moves as many bytes as an all_reduce (wire.py), so the wire cannot
+    tell the mistake this test is about."""
     padded = world * -(-NUMEL // world) * 4
     for rank, out in enumerate(run(student, world)):
         for step, got in enumerate(out):
