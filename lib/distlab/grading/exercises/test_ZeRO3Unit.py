@@ -432,7 +432,7 @@ def check_outside(out):
         assert found["shard"] is None and not found["params"], (
             f"{where}: the unit keeps a shard or parameters {found['params']}; a rank outside "
             f"the group keeps none (unit.shard = None)")
-        calls = [c["op"] for c in found["build_calls"] + seen["calls"]]
+        calls = [e.op for e in CommLog.from_records(found["build_calls"] + seen["calls"]).events]
         assert not calls, (f"{where}: called {calls}; a rank outside the group makes no call "
                            f"(dist.get_rank(group) is -1 there)")
         assert seen["returned"] == "NoneType", (f"{where}: calling the unit returned "

@@ -363,7 +363,8 @@ def check_communication(case, out):
     10 KB, so even gathering them stays near the wire's slack and its headers (wire.py)."""
     for rank, gsize, grank, found in members(case, out):
         what = where(case, rank, len(out), gsize, grank)
-        calls = [(e["op"], e["nbytes"]) for e in found["forward"]]
+        forward = CommLog.from_records(found["forward"]).events
+        calls = [(e.op, e.nbytes) for e in forward]
         big = [c for c in calls if c[1] > PER_TOKEN_BYTES * N]
         assert not big, (
             f"{what}: forward made {big}: more than two numbers per token. The loss needs no "
@@ -376,10 +377,10 @@ def check_communication(case, out):
         assert 1 <= len(calls) <= 4, (
             f"{what}: forward made {len(calls)} collectives ({calls}); three all-reduces of one "
             f"number per token suffice (the max, the sum of the exponentials, the target's logit)")
-        wrong_group = [e["group_size"] for e in found["forward"] if e["group_size"] != gsize]
+        wrong_group = [e.group_size for e in forward if e.group_size != gsize]
         assert not wrong_group, (f"{what}: a collective ran over {wrong_group[0]} ranks, not the "
                                  f"group's {gsize}: pass group=group to every collective")
-        back = [(e["op"], e["nbytes"]) for e in found["backward"]]
+        back = [(e.op, e.nbytes) for e in CommLog.from_records(found["backward"]).events]
         assert not back, (f"{what}: backward made {back}; it needs no communication: each rank's "
                           f"gradient is softmax - one_hot on its own tokens, from the global sums "
                           f"forward already computed (the sums' backward is the identity)")
@@ -393,7 +394,7 @@ def check_outside(case, out):
         assert found["returned"] == "NoneType", (
             f"{what}: returned {found['returned']}; on a rank outside the group "
             f"(dist.get_rank(group) is -1 there) return None at once")
-        calls = [e["op"] for e in found["calls"]]
+        calls = [e.op for e in CommLog.from_records(found["calls"]).events]
         assert not calls, (f"{what}: made {calls}; a rank outside the group makes no call (test "
                            f"dist.get_rank(group) < 0 first, and return None)")
         assert found["unchanged"], f"{what}: changed the logits passed in; leave them alone"

@@ -289,8 +289,9 @@ def check_communication(kind, case, out):
     only): a call here moves at most 1.2 KB, far inside the wire's slack (wire.py)."""
     elem = 8  # float64
     for what, gsize, grank, found, _ in each(kind, case, out):
-        fwd = [e["op"] for e in found["forward"]]
-        bwd = [e["op"] for e in found.get("backward", [])]
+        forward = CommLog.from_records(found["forward"]).events
+        backward = CommLog.from_records(found.get("backward", [])).events
+        fwd, bwd = [e.op for e in forward], [e.op for e in backward]
         if kind == "column":
             if case == "gather":
                 assert set(fwd) <= {"all_gather", "all_gather_into_tensor"}, (
@@ -300,20 +301,20 @@ def check_communication(kind, case, out):
                 assert not fwd, (f"{what}: forward called {fwd}; a column-parallel layer needs no "
                                  f"communication forward (each rank computes its features from the "
                                  f"full input)")
-            step, calls, nbytes, of = "backward", found.get("backward", []), BATCH * SEQ * IN * elem, "input's gradient"
+            step, calls, nbytes, of = "backward", backward, BATCH * SEQ * IN * elem, "input's gradient"
         else:
             assert not bwd, (f"{what}: backward called {bwd}; g's backward is the identity and needs "
                              f"no collective")
-            step, calls, nbytes, of = "forward", found["forward"], BATCH * SEQ * OUT * elem, "output"
+            step, calls, nbytes, of = "forward", forward, BATCH * SEQ * OUT * elem, "output"
         if gsize == 1 and not calls:
             continue
-        ops = [e["op"] for e in calls]
-        assert ops == ["all_reduce"] and calls[0]["nbytes"] == nbytes, (
+        ops = [e.op for e in calls]
+        assert ops == ["all_reduce"] and calls[0].nbytes == nbytes, (
             f"{what}: {step} should make one all_reduce of the {of} ({nbytes} bytes: "
             f"{BATCH}x{SEQ}x{IN if kind == 'column' else OUT} float64), made "
-            f"{[(e['op'], e['nbytes']) for e in calls]}")
-        assert calls[0]["group_size"] == gsize, (
-            f"{what}: the all_reduce ran over {calls[0]['group_size']} ranks, not the layer's "
+            f"{[(e.op, e.nbytes) for e in calls]}")
+        assert calls[0].group_size == gsize, (
+            f"{what}: the all_reduce ran over {calls[0].group_size} ranks, not the layer's "
             f"group of {gsize}: pass group= to the collective")
 
 
@@ -328,7 +329,7 @@ def check_non_members(kind, case, out):
         assert found["y_type"] == "NoneType", (
             f"{what}: forward returned {found['y_type']}; on a rank outside the group "
             f"(dist.get_rank(group) is -1 there) it returns None at once")
-        calls = [e["op"] for e in found["build"] + found["forward"]]
+        calls = [e.op for e in CommLog.from_records(found["build"] + found["forward"]).events]
         assert not calls, (f"{what}: made {calls}; a rank outside the group makes no call "
                            f"(test dist.get_rank(group) < 0 first, and return)")
         assert torch.equal(found["x_after"], x), (f"{what}: forward changed its input x; on a rank "
