@@ -41,6 +41,22 @@ from distlab.dp import plan_buckets
 from distlab.grading import expect_close
 
 NOTEBOOK = "08_overlap"
+HINTS = {"test_gradients_are_the_mean_over_ranks": 4,
+         "test_training_matches_one_process": 5,
+         "test_training_matches_one_process_when_zero_grad_zeroes_in_place": 3,
+         "test_gradients_are_views_into_one_buffer_per_bucket": 3,
+         "test_rank_0_weights_are_broadcast_and_module_is_kept": 1,
+         "test_one_all_reduce_per_bucket_in_reverse_order": 1,
+         "test_cap_none_is_one_all_reduce_per_parameter_and_large_cap_one": 1,
+         "test_all_reduces_are_asynchronous": 4,
+         "test_the_first_all_reduce_starts_before_the_last_gradient": 4,
+         "test_every_bucket_is_launched_during_backward": 4,
+         "test_a_weight_shared_by_two_modules_counts_once": 4,
+         "test_same_bucket_order_on_every_rank_when_a_layer_is_skipped": 5,
+         "test_a_group_starts_from_its_own_rank_0": 2,
+         "test_a_group_averages_over_its_own_ranks": 2,
+         "test_a_rank_outside_the_group_is_left_alone": 2,
+         "test_a_second_backward_before_finish_raises": 4}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 STEPS, LR = 3, 0.5
