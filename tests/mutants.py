@@ -29,3 +29,15 @@ def grade_mutants(folder: Path, lab: str, exercise: str, changes: dict) -> dict:
         nbformat.write(nb, path)
         (results[name],) = runner.grade(path, only=[exercise], first_failure=True)
     return results
+
+
+def assert_named(result, name: str, exercise: str, max_points: int, verdict: str,
+                 says: list) -> None:
+    """Mutant ``name``'s ``result`` fails with ``verdict`` short of ``max_points`` of
+    ``exercise``, its first failing check naming the mistake: every phrase of ``says``
+    stands in its message."""
+    assert result.exercise == exercise and result.points < result.max_points == max_points, \
+        result
+    assert result.verdict == verdict, result
+    for words in says:
+        assert words in result.message, f"{name}: {words!r} not in {result.message!r}"

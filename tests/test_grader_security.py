@@ -386,6 +386,20 @@ def test_graded_ranks_cannot_read_the_answers_leave_files_in_tmp_nor_forge_traff
 # ------------------------------------------------ 4. FIFOs and the time limit
 
 
+def _read_beside_a_fifo(fifo: str, read, what: str):
+    """``read()``'s result, called in a thread; the test fails if it blocks (an open() stuck
+    on the FIFO at ``fifo`` is then released by opening the FIFO's other end)."""
+    got = []
+    reader = threading.Thread(target=lambda: got.append(read()), daemon=True)
+    reader.start()
+    reader.join(15)
+    if reader.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+        pytest.fail(f"reading {what} blocked on a FIFO")
+    return got[0]
+
+
 def test_a_fifo_for_a_stack_file_cannot_hang_the_launcher(tmp_path):
     from distlab.runtime.pool import Pool
 
@@ -399,15 +413,8 @@ def test_a_fifo_for_a_stack_file_cannot_hang_the_launcher(tmp_path):
             return True
 
     os.mkfifo(Rank.stack_path)
-    got = {}
-    reader = threading.Thread(target=lambda: got.update(Pool._stacks(None, [Rank()])),
-                              daemon=True)
-    reader.start()
-    reader.join(15)
-    if reader.is_alive():  # unblock the old code's open() by being its writer
-        os.close(os.open(Rank.stack_path, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(5)
-        pytest.fail("reading a rank's stack blocked on a FIFO")
+    got = _read_beside_a_fifo(Rank.stack_path, lambda: Pool._stacks(None, [Rank()]),
+                              "a rank's stack")
     assert "not a regular file" in got[0]
 
 
@@ -418,15 +425,9 @@ def test_a_fifo_or_a_link_for_a_status_file_cannot_hang_or_mislead_the_launcher(
         rank, status_path = 0, str(tmp_path / "status-0")
 
     os.mkfifo(Rank.status_path)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(Pool._status(None, Rank())), daemon=True)
-    reader.start()
-    reader.join(15)
-    if reader.is_alive():  # unblock the old code's open() by being its writer
-        os.close(os.open(Rank.status_path, os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(5)
-        pytest.fail("reading a rank's status board blocked on a FIFO")
-    assert got == ["unknown: its status file is not a regular file"], got
+    got = _read_beside_a_fifo(Rank.status_path, lambda: Pool._status(None, Rank()),
+                              "a rank's status board")
+    assert got == "unknown: its status file is not a regular file", got
     os.unlink(Rank.status_path)
     board = b"in all_reduce(4 B) since 1"
     board = b"\1\0\0\0" + board + b"\0" * (256 - 8 - len(board)) + b"\1\0\0\0"

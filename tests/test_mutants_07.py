@@ -9,7 +9,7 @@ of its run waiting for its launch's time limit.
 """
 import pytest
 
-from mutants import grade_mutants
+from mutants import assert_named, grade_mutants
 
 LAB, NAME = "07_pipeline_parallel", "run_stage"
 
@@ -70,12 +70,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    r = results[name]
-    verdict, says = EXPECTED[name]
-    assert r.exercise == NAME and r.points < r.max_points == 11, r
-    assert r.verdict == verdict, r
-    for words in says:
-        assert words in r.message, f"{name}: {words!r} not in {r.message!r}"
+    assert_named(results[name], name, NAME, 11, *EXPECTED[name])
 
 
 def test_the_deadlock_is_reported_within_a_launch_timeout(results):

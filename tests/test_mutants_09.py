@@ -8,7 +8,7 @@ the other, each stopped at its first failing check.
 """
 import pytest
 
-from mutants import grade_mutants
+from mutants import assert_named, grade_mutants
 
 LAB, NAME = "09_capstone", "distributed_train_step"
 
@@ -50,9 +50,4 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    r = results[name]
-    verdict, says = EXPECTED[name]
-    assert r.exercise == NAME and r.points < r.max_points == 8, r
-    assert r.verdict == verdict, r
-    for words in says:
-        assert words in r.message, f"{name}: {words!r} not in {r.message!r}"
+    assert_named(results[name], name, NAME, 8, *EXPECTED[name])

@@ -92,21 +92,28 @@ def _shape(got, kwargs):
         f"'dp', 'pp' and 'tp'")
 
 
-def test_coordinates_of_every_rank(student):
+def _every_rank(student):
+    """(arguments, the answer, the expected answer) for every rank of every layout."""
     for w, dp, tp, pp in LAYOUTS:
         for rank in range(w):
             kwargs = dict(rank=rank, world_size=w, dp=dp, tp=tp, pp=pp)
             got = asked(student, **kwargs)
             _shape(got, kwargs)
-            want = expected(rank, dp, tp, pp)["coords"]
-            if tuple(got["coords"]) != want:
-                order = next((name for name, perm in (("pp fastest", (1, 0, 2)),
-                                                      ("dp fastest", (2, 1, 0)))
-                              if tuple(got["coords"]) == _other_order(rank, dp, tp, pp, perm)), None)
-                raise AssertionError(
-                    f"mesh_groups({_args(kwargs)})['coords'] is {tuple(got['coords'])}, expected "
-                    f"(d, p, t) = {want}: TP varies fastest, then PP, then DP, so rank = "
-                    f"(d·pp + p)·tp + t" + (f" (your grid has {order})" if order else ""))
+            yield kwargs, got, expected(rank, dp, tp, pp)
+
+
+def test_coordinates_of_every_rank(student):
+    for kwargs, got, want in _every_rank(student):
+        rank, dp, tp, pp = (kwargs[k] for k in ("rank", "dp", "tp", "pp"))
+        want = want["coords"]
+        if tuple(got["coords"]) != want:
+            order = next((name for name, perm in (("pp fastest", (1, 0, 2)),
+                                                  ("dp fastest", (2, 1, 0)))
+                          if tuple(got["coords"]) == _other_order(rank, dp, tp, pp, perm)), None)
+            raise AssertionError(
+                f"mesh_groups({_args(kwargs)})['coords'] is {tuple(got['coords'])}, expected "
+                f"(d, p, t) = {want}: TP varies fastest, then PP, then DP, so rank = "
+                f"(d·pp + p)·tp + t" + (f" (your grid has {order})" if order else ""))
 
 
 def _other_order(rank, dp, tp, pp, perm):
@@ -122,21 +129,16 @@ def _other_order(rank, dp, tp, pp, perm):
 
 
 def test_groups_of_every_rank(student):
-    for w, dp, tp, pp in LAYOUTS:
-        for rank in range(w):
-            kwargs = dict(rank=rank, world_size=w, dp=dp, tp=tp, pp=pp)
-            got = asked(student, **kwargs)
-            _shape(got, kwargs)
-            want = expected(rank, dp, tp, pp)
-            for dim in ("dp", "pp", "tp"):
-                members = list(got[dim]) if isinstance(got[dim], (list, tuple)) else got[dim]
-                if members != want[dim]:
-                    hint = (" (the right ranks, but in increasing order please)"
-                            if isinstance(members, list) and sorted(members) == want[dim] else "")
-                    raise AssertionError(
-                        f"mesh_groups({_args(kwargs)})['{dim}'] is {members!r}, expected "
-                        f"{want[dim]}: the {dim.upper()} group holds the ranks that share this "
-                        f"rank's other two coordinates{hint}")
+    for kwargs, got, want in _every_rank(student):
+        for dim in ("dp", "pp", "tp"):
+            members = list(got[dim]) if isinstance(got[dim], (list, tuple)) else got[dim]
+            if members != want[dim]:
+                hint = (" (the right ranks, but in increasing order please)"
+                        if isinstance(members, list) and sorted(members) == want[dim] else "")
+                raise AssertionError(
+                    f"mesh_groups({_args(kwargs)})['{dim}'] is {members!r}, expected "
+                    f"{want[dim]}: the {dim.upper()} group holds the ranks that share this "
+                    f"rank's other two coordinates{hint}")
 
 
 def test_bad_layouts_raise_value_error(student):
