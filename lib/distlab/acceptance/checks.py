@@ -193,6 +193,24 @@ def overlap(ctx: Context) -> Verdict:
          "torch DDP (ms)", "bucketed / DDP"], rows)})
 
 
+def train(ctx: Context) -> Verdict:
+    from distlab.bench import train as train_bench
+
+    out = ctx.scratch / "train"
+    proc = ctx.python("-m", "distlab.bench.train", "--layouts", *train_bench.LAYOUTS,
+                      "--model", "gpt-100m", "--backend", "nccl", "--out", out)
+    data = _json(out / "train_bench.json", proc)
+    misses = train_bench.goal_misses(data["rows"])
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    rows = [[r["link"], r["layout"], r.get("error") or r["tokens_per_s"],
+             r.get("torch_tokens_per_s"), r.get("vs_torch"), r.get("mfu"), r.get("torch_mfu")]
+            for r in data["rows"]]
+    return Verdict(misses, {**data, "table": _table(
+        ["link", "(dp, tp, pp)", "ours (tokens/s)", "torch (tokens/s)", "ours / torch step time",
+         "ours MFU", "torch MFU"], rows)})
+
+
 def _needs(module: str, why: str) -> None:
     import importlib.util
 
@@ -279,6 +297,7 @@ def grader_tiers(ctx: Context) -> Verdict:
 def _register_all() -> None:
     from distlab.bench import pp as pp_bench
     from distlab.bench import tp as tp_bench
+    from distlab.bench import train as train_bench
     from distlab.bench import zero as zero_bench
 
     g = zero_bench.GOALS
@@ -307,6 +326,12 @@ def _register_all() -> None:
         Check("overlap", 2, 560, f"bucketed DataParallel step time <= {OVERLAP_GOAL}x torch DDP's "
               f"on every link and batch shape of distlab.bench.overlap (7 rounds of 5 steps)",
               overlap),
+        Check("train", 2, 600, f"distlab.train's composed step (ZeRO-2, TP, 1F1B) within "
+              f"{train_bench.GOAL}x the step time of torch's composition of the 98M GPT (FSDP2 "
+              f"fully_shard without resharding after forward, DTensor TP on a DeviceMesh, "
+              f"torch.distributed.pipelining's Schedule1F1B) at (dp, tp, pp) = "
+              f"{', '.join(f'({lay})' for lay in train_bench.LAYOUTS)}, bf16, 2 NCCL ranks, on "
+              f"every link (NVLink, host memory, sockets); torch's side runs in each", train),
         Check("nbval-gpu", 1, 540, "every solution notebook replays its outputs (pytest --nbval) "
               "with the GPUs present", nbval_gpu),
         Check("grader-tiers", 1, 540, "python -m distlab.grading solutions/*.ipynb gives full "
