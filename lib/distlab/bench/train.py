@@ -26,16 +26,19 @@ After ``--warmup`` steps of each, ``--steps`` rounds time one step of ours and o
 torch's (:func:`distlab.bench.timing.time_each`: after a barrier, to an idle device, the
 slowest rank's), so that a drifting machine slows both alike; the ratio is the median
 of the rounds' ours / torch's. tokens/s is the global batch's tokens over the median
-step; MFU is ``6N``-style model FLOPs (:meth:`distlab.model.GPT.flops_per_token`) times
-tokens/s over the peak of every GPU (:func:`distlab.bench.throughput.peak_flops`; none
-on CPUs). Where torch's side cannot run (an API torch lacks on this backend), its row
-says why. Prints a table, writes ``train_bench.json`` to ``--out``; on NCCL it exits 1
-when our step takes more than :data:`GOAL` times torch's (:func:`goal_misses`).
+step; MFU is the model FLOPs per token (``6N + 12LdT``, PaLM's appendix B:
+:meth:`distlab.model.GPT.flops_per_token`) times tokens/s over the peak of every GPU
+(:func:`distlab.bench.throughput.peak_flops`; none on CPUs). Where torch's side cannot
+run (an API torch lacks on this backend), its row says why; on gloo CPUs with torch
+2.13 all three run. Prints a table, writes ``train_bench.json`` to ``--out``; on NCCL
+it exits 1 when a row misses: our step above :data:`GOAL` times torch's, torch's side
+not run, or a launch failed (:func:`goal_misses`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import time
@@ -150,10 +153,8 @@ def measure(cfg, layouts, batch_size: int, seq_len: int, precision: str,
                         lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
                         weight_decay=ADAMW["weight_decay"], device=device)
         d = mesh.coords[0]
-        mine = (x.tensor_split(dp)[d], y.tensor_split(dp)[d])
-
-        def ours():
-            trainer.step(mine, global_batch_size=batch_size)
+        ours = functools.partial(trainer.step, (x.tensor_split(dp)[d], y.tensor_split(dp)[d]),
+                                 global_batch_size=batch_size)
         for _ in range(warmup):
             ours()
         theirs, error = None, None
@@ -167,7 +168,7 @@ def measure(cfg, layouts, batch_size: int, seq_len: int, precision: str,
                   for _ in range(steps)]
         rows.append({"layout": ",".join(map(str, layout)), "microbatches": m,
                      "rounds_s": rounds, "torch_error": error})
-        del trainer, theirs
+        del trainer, ours, theirs
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -297,7 +298,7 @@ def main(argv=None) -> int:
     worlds = {lay[0] * lay[1] * lay[2] for lay in layouts}
     nccl = all(backends.choose(w, args.backend) == "nccl" for w in worlds)
     precision = ("bf16" if nccl else "fp32") if args.precision == "auto" else args.precision
-    for dp, tp, stages in layouts:
+    for dp, _, stages in layouts:
         m = args.microbatches or stages
         if args.batch_size % (dp * m):
             p.error(f"--batch-size {args.batch_size} must split into dp = {dp} shards of m = {m} "
