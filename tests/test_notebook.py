@@ -40,10 +40,12 @@ def test_release_replaces_answers_with_stubs_at_their_indentation():
 
 
 def test_release_drops_outputs_and_keeps_metadata():
-    nb = notebook.release(_nb(("area", ANSWER)))
+    solved = _nb(("area", ANSWER))
+    solved.cells[2].metadata["execution"] = {"iopub.status.idle": "2026-12-02T00:30:38Z"}
+    nb = notebook.release(solved)
     cell = nb.cells[2]
     assert cell.outputs == [] and cell.execution_count is None
-    assert notebook.grade_id(cell) == "area"
+    assert notebook.grade_id(cell) == "area" and "execution" not in cell.metadata
 
 
 def test_module_source_has_the_notebook_imports_and_survives_a_broken_cell():

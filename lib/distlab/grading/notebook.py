@@ -47,7 +47,8 @@ def is_untouched(source: str) -> bool:
 
 
 def release(nb):
-    """A copy of solution notebook ``nb`` for students: answers stubbed, no outputs."""
+    """A copy of solution notebook ``nb`` for students: answers stubbed, no outputs, no
+    record of the solution's run (execution counts, the kernel's timestamps)."""
     out = copy.deepcopy(nb)
     for cell in out.cells:
         if cell.cell_type != "code":
@@ -56,6 +57,7 @@ def release(nb):
             cell.source = clear_solutions(cell.source)
         cell.outputs = []
         cell.execution_count = None
+        cell.metadata.pop("execution", None)
     return out
 
 
