@@ -124,9 +124,12 @@ def page(browser, request):
 def open_notebook(page, lab, name: str, cells: int) -> None:
     """Open ``name`` and wait until its ``cells`` cells show and its kernel is idle."""
     page.goto(lab.url(name))
+    # this notebook's own kernel indicator: the status bar may still show another tab's
     page.wait_for_function(
         """([panel, n]) => document.querySelectorAll(panel + ' .jp-Cell').length === n
-             && (document.querySelector('#jp-main-statusbar')?.innerText || '').includes('| Idle')""",
+             && (document.querySelector('#jp-main-statusbar')?.innerText || '').includes('| Idle')
+             && document.querySelector(panel + ' .jp-Notebook-ExecutionIndicator')
+                  ?.getAttribute('data-status') === 'idle'""",
         arg=[PANEL, cells], timeout=60_000, polling=250)
 
 
@@ -138,10 +141,19 @@ def menu(page, title: str, command: str) -> None:
 
 def run_all(page, timeout_s: float) -> list[dict]:
     """Run > Run All Cells, as a student does; wait until no cell is queued or running."""
-    menu(page, "Run", "runmenu:run-all")
     prompts = "[...document.querySelectorAll(panel + ' .jp-InputPrompt')].map(p => p.textContent)"
-    page.wait_for_function(f"panel => {prompts}.some(p => p.trim() !== '[ ]:')",
-                           arg=PANEL, timeout=10_000)
+    started = ("panel => [...document.querySelectorAll(panel + ' .jp-CodeCell .jp-InputPrompt')]"
+               ".some(p => p.textContent.trim() !== '[ ]:')")
+    for attempt in (1, 2):  # a Run All issued while the kernel still connects runs nothing
+        menu(page, "Run", "runmenu:run-all")
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        try:
+            page.wait_for_function(started, arg=PANEL, timeout=15_000)
+            break
+        except PlaywrightTimeout:
+            if attempt == 2:
+                raise
     page.wait_for_function(
         f"""panel => !{prompts}.some(p => p.includes('*'))
              && document.querySelector(panel + ' .jp-Notebook-ExecutionIndicator')
