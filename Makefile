@@ -26,7 +26,9 @@ RESULTS ?= results
 # make test spreads the test files over this many worker processes (pytest-xdist; each
 # file stays on one worker: a notebook's cells share a kernel, a module's fixtures are
 # built once). TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
+# Three on a 2-core machine: much of the suite waits (kernels and ranks starting, time
+# limits and deadlocks reached on purpose), and a third worker fills that time.
+TEST_WORKERS ?= 3
 STAMP := $(VENV)/.distlab-installed
 EXTRAS_SPEC := .$(EXTRAS)
 
