@@ -132,11 +132,9 @@ def estimate(plan: Plan, dp: int, tp: int, pp: int) -> Layout:
     m = plan.global_batch // (dp * plan.micro_batch)
     local = psi / (tp * pp)
     act = activation_bytes(plan, tp)
-    stage, states = None, zero_bytes(local, dp, 1)
-    for z in (1, 2, 3):
-        if zero_bytes(local, dp, z) + act <= plan.gpu_bytes:
-            stage, states = z, zero_bytes(local, dp, z)
-            break
+    stage = next((z for z in (1, 2, 3) if zero_bytes(local, dp, z) + act <= plan.gpu_bytes),
+                 None)
+    states = zero_bytes(local, dp, stage or 1)
     tokens = plan.global_batch * plan.seq_len
     compute = 6 * psi * tokens / (plan.gpus * plan.peak_flops * plan.mfu)
     message = 2 * plan.seq_len * plan.micro_batch * model.d_model         # bf16 activations
@@ -152,7 +150,7 @@ def estimate(plan: Plan, dp: int, tp: int, pp: int) -> Layout:
 
 def layouts(plan: Plan) -> list[Layout]:
     """Every layout whose sizes are whole: tp dividing the heads and at most a node, pp
-    dividing the layers, dp a divisor of the rest with at least one micro-batch."""
+    at most the layers, dp the rest, with at least one micro-batch."""
     out = []
     for tp in divisors(plan.gpus_per_node):
         if plan.model.heads % tp or plan.gpus % tp:

@@ -38,9 +38,9 @@ class Shown:
                 data = self.pending[r.rank, s]
                 cut = len(data) if partial else data.rfind(b"\n") + 1
                 text, self.pending[r.rank, s] = data[:cut].decode(errors="replace"), data[cut:]
-                for line in _lines(text):
-                    self.kept[r.rank, s].append(as_displayed(line))
-                    target.write(f"[rank {r.rank}] {as_displayed(line)}\n")
+                for line in map(as_displayed, _lines(text)):
+                    self.kept[r.rank, s].append(line)
+                    target.write(f"[rank {r.rank}] {line}\n")
             target.flush()
 
 
