@@ -1,4 +1,6 @@
 """Exercise cells, the student release, and its staleness check."""
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -76,3 +78,50 @@ def test_every_solution_exercise_has_autograder_tests():
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):
         for name in notebook.exercises(nbformat.read(path, as_version=4)):
             assert (runner.TESTS / f"test_{name}.py").exists(), (path.name, name)
+
+
+# The autograder imports a lab's exercise cells with the notebook's imports: that must not
+# need ipywidgets (nor matplotlib where the lab's cells do not import it). Labs that block
+# the same packages are checked in one interpreter, each module in a namespace of its own.
+WITHOUT = {"01_primitives": ("ipywidgets",), "02_parameter_server": ("ipywidgets",),
+           "03_ring_allreduce": ("ipywidgets", "matplotlib"),
+           "05_zero": ("ipywidgets", "matplotlib"), "07_pipeline_parallel": ("ipywidgets",)}
+
+BLOCK = """
+import importlib.abc, sys, traceback
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(f"{{name}} is blocked")
+sys.meta_path.insert(0, Block())
+for lab, source in {sources!r}.items():
+    try:
+        exec(compile(source, lab, "exec"), {{"__name__": "student"}})
+        print(lab, "imports")
+    except BaseException:
+        print(lab, "fails:", traceback.format_exc()[-2000:].replace("\\n", " | "))
+"""
+
+
+@pytest.fixture(scope="module")
+def imported_without():
+    """Lab → what importing its exercise module printed, with its packages blocked."""
+    sets: dict[tuple, dict] = {}
+    for lab, blocked in WITHOUT.items():
+        nb = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", 4)
+        sets.setdefault(blocked, {})[lab] = notebook.module_source(nb)
+    said = {}
+    for blocked, sources in sets.items():
+        run = subprocess.run([sys.executable, "-c", BLOCK.format(blocked=set(blocked),
+                                                                  sources=sources)],
+                             capture_output=True, text=True, timeout=120)
+        for lab in sources:
+            line = next((x for x in run.stdout.splitlines() if x.startswith(lab + " ")),
+                        f"{lab} not reached: {run.stderr[-2000:]}")
+            said[lab] = line
+    return said
+
+
+@pytest.mark.parametrize("lab", WITHOUT)
+def test_the_exercise_modules_import_without_widgets(lab, imported_without):
+    assert imported_without[lab] == f"{lab} imports", imported_without[lab]

@@ -291,41 +291,6 @@ def test_record_follows_the_algorithm(record4):
     assert all(h == everyone for row in rec.holds[-1] for h in row)
 
 
-BLOCK = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in {blocked!r}:
-            raise ImportError(f"{{name}} is blocked")
-sys.meta_path.insert(0, Block())
-"""
-
-
-@pytest.mark.parametrize("lab,blocked", [("01_primitives", {"ipywidgets"}),
-                                         ("02_parameter_server", {"ipywidgets"}),
-                                         ("03_ring_allreduce", {"ipywidgets", "matplotlib"}),
-                                         ("05_zero", {"ipywidgets", "matplotlib"}),
-                                         ("07_pipeline_parallel", {"ipywidgets"})])
-def test_the_exercise_modules_import_without_widgets(lab, blocked, tmp_path):
-    """The autograder imports a lab's exercise cells with the notebook's imports: that
-    must not need ipywidgets (nor matplotlib where the lab's cells do not import it)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import nbformat
-
-    from distlab.grading import notebook
-
-    root = Path(__file__).resolve().parents[1]
-    source = notebook.module_source(nbformat.read(root / "solutions" / f"{lab}.ipynb", 4))
-    module = tmp_path / "student.py"
-    module.write_text(BLOCK.format(blocked=blocked) + source)
-    run = subprocess.run([sys.executable, str(module)], capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-
-
 def test_stepper_steps_and_draws(record4):
     from distlab.viz.ring import RingStepper, cell_label, steps_figure
 
