@@ -22,6 +22,7 @@ from distlab.dp import shard_loss_weight
 from distlab.model import GPT, config
 from distlab.pp import Stage
 from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
+from rounding import assert_within, bounds
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
@@ -544,11 +545,13 @@ def test_the_composed_step_resumes_at_another_layout(root):
                                                      ("tp_pp", (1, 3, 1), 2, 4, None)],
                               backend="gloo", timeout=120)[0]
     start = gpt(0).get_parameter("blocks.0.mlp.up.weight")
-    for (losses, weights_), (got, resumed) in zip(saved_runs, resumed_runs):
-        assert max(abs(a - b) for a, b in zip(got, losses[2:])) < 1e-12, (got, losses)
-        assert resumed.keys() == weights_.keys()
-        for name, value in weights_.items():
-            assert (resumed[name] - value).abs().max() < 1e-12, name
+    # both against one process, within rounding (tests/rounding.py): not 1e-12, which
+    # another CPU's kernels can exceed
+    reference, tolerance = bounds(lambda: gpt(0), LANG, 4, BATCH, SEQ, dict(lr=1e-2))
+    for name, (losses, weights_), (got, resumed) in zip(("dp_pp", "tp_pp"), saved_runs,
+                                                        resumed_runs):
+        assert_within(losses, weights_, reference, tolerance, f"{name}, uninterrupted: ")
+        assert_within(losses[:2] + got, resumed, reference, tolerance, f"{name}, resumed: ")
         assert (weights_["blocks.0.mlp.up.weight"] - start).abs().max() > 1e-3  # it trained
 
 
