@@ -574,3 +574,32 @@ def test_a_flat_range_of_a_tensor_parallel_shard_lands_at_its_global_offsets():
                 assert torch.equal(view(piece), region), (outer.shape, lo, hi, offsets)
                 covered += region.numel()
             assert covered == hi - lo
+
+
+def scaler_resume(root):
+    """An fp16 trainer whose scale overflows at both of its steps (2**100 halved twice,
+    2 steps skipped, no AdamW update yet), saved; a fresh trainer (default scale) loaded
+    from it."""
+    from distlab.mesh import Mesh
+    from distlab.train import build
+    from distlab.zero import DynamicLossScaler
+
+    mesh = Mesh(dp=2)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 100, growth_interval=3)
+    trainer = build(CFG, mesh, precision="fp16", lr=1e-2, loss_scaler=scaler)
+    for step in range(2):
+        trainer.step(trainer.local_batch(LANG, step, BATCH, SEQ), BATCH)
+    checkpoint.save(root, {"trainer": trainer}, step=2)
+    fresh = build(CFG, mesh, precision="fp16", lr=1e-2)
+    before = fresh.scaler.scale_value
+    checkpoint.load(root, {"trainer": fresh})
+    s = fresh.scaler
+    return before, (scaler.scale_value, scaler.good_steps, scaler.skipped), (
+        s.scale_value, s.good_steps, s.skipped)
+
+
+def test_the_loss_scaler_resumes_where_it_was(tmp_path):
+    for before, saved, loaded in launch.run(scaler_resume, 2, str(tmp_path), backend="gloo",
+                                            timeout=120):
+        assert saved[2] >= 1 and saved[0] < 2.0 ** 100      # it did skip and back off
+        assert loaded == saved and before != saved[0]
