@@ -1,16 +1,17 @@
-"""Lab 09's core exercise, distributed_train_step, graded on the wrong answers the course
-material's own "final train step" makes: each must lose points, with a first failing
-check that names the mistake.
+"""Lab 09's exercises graded on wrong answers: the course material's own "final train
+step" mistakes and those a student makes writing it right, each a clause of the
+statement broken alone. Each must lose points, with a first failing check that names
+the clause.
 
 Each mutant is the solution's cell with a few lines changed, graded by the real grader
-(``runner.grade(path, only=["distributed_train_step"], first_failure=True)``), one after
-the other, each stopped at its first failing check.
+(``runner.grade(path, only=[exercise], first_failure=True)``), one after the other, each
+stopped at its first failing check.
 """
 import pytest
 
 from mutants import assert_named, grade_mutants
 
-LAB, NAME = "09_capstone", "distributed_train_step"
+LAB, NAME, GRID = "09_capstone", "distributed_train_step", "mesh_groups"
 
 MUTANTS = {
     # the course material: the compute stream synchronised, not the all-gather's event (on
@@ -28,6 +29,34 @@ MUTANTS = {
     # the loss scaled for backward and never divided out of the gradients
     "unscaled": [("grad = work.wait().to(bucket.master_dtype) / loss_scale",
                   "grad = work.wait().to(bucket.master_dtype)")],
+    # the hooks registered at every step and never removed
+    "hooks_kept": [("""    finally:
+        for h in hooks:
+            h.remove()""", """    finally:
+        pass""")],
+    # full gradients dropped only on the hooks' path: overlap=False keeps them
+    "grads_kept": [("""            p.grad = None                          # ZeRO-2: no full gradient is kept""",
+                    """            if overlap:
+                p.grad = None""")],
+    # the gradients reduce-scattered in the master dtype: twice the bytes under bf16
+    "master_dtype_traffic": [(
+        "flat = torch.cat([p.grad.reshape(-1).to(bucket.dtype) for p in bucket.params])",
+        "flat = torch.cat([p.grad.reshape(-1).to(bucket.master_dtype) for p in bucket.params])"),
+        ("grad = work.wait().to(bucket.master_dtype) / loss_scale",
+         "grad = work.wait() / loss_scale")],
+    # the loss taken in the compute dtype (bf16 under autocast)
+    "bf16_loss": [("wide = torch.promote_types(logits.dtype, torch.float32)",
+                   "wide = logits.dtype")],
+    # forward without autocast: on CPU with bf16 weights the logits are the same
+    "no_autocast": [("enabled=autocast_dtype is not None", "enabled=False")],
+}
+GRID_MUTANTS = {
+    # pp required to divide the layers
+    "pp_divides_layers": [("if num_layers is not None and pp > num_layers:",
+                           "if num_layers is not None and num_layers % pp:")],
+    # the whole model-parallel block required to fit a node
+    "tp_pp_in_a_node": [("if gpus_per_node is not None and tp > gpus_per_node:",
+                         "if gpus_per_node is not None and tp * pp > gpus_per_node:")],
 }
 
 # name -> (verdict, what its first failing check must say)
@@ -38,8 +67,23 @@ EXPECTED = {
                                "(the whole world): the gradients all-reduced, averaged"]),
     "after_backward": ("partial", ["test_reduce_scatters_start_during_backward",
                                    "post-accumulate-grad hook", "not after backward"]),
-    "unscaled": ("partial", ["test_the_loss_scale_is_divided_out", "1024 times too large",
+    "unscaled": ("partial", ["test_the_loss_scale_is_divided_out", "still carry the loss scale",
                              "Divide each reduced shard by loss_scale"]),
+    "hooks_kept": ("partial", ["test_the_step_leaves_no_hook_behind", "still on the model",
+                               "remove every hook"]),
+    "grads_kept": ("partial", ["test_without_overlap", "overlap=False", "still hold a full gradient",
+                               "in both modes"]),
+    "master_dtype_traffic": ("partial", ["test_one_reduce_scatter_and_one_all_gather_per_bucket",
+                                         "bf16 autocast", "compute dtype", "not the master dtype"]),
+    "bf16_loss": ("partial", ["test_bf16_autocast_with_fp32_masters", "take the loss in fp32"]),
+    "no_autocast": ("partial", ["test_bf16_autocast_with_fp32_masters", "autocast [None",
+                                "under torch.autocast"]),
+}
+GRID_EXPECTED = {
+    "pp_divides_layers": ("partial", ["test_limits_that_hold_are_accepted",
+                                      "a valid layout refused", "pp need not divide the layers"]),
+    "tp_pp_in_a_node": ("partial", ["test_limits_that_hold_are_accepted",
+                                    "a valid layout refused", "only tp must fit a node"]),
 }
 
 
@@ -48,6 +92,16 @@ def results(tmp_path_factory):
     return grade_mutants(tmp_path_factory.mktemp("mutants_09"), LAB, NAME, MUTANTS)
 
 
+@pytest.fixture(scope="module")
+def grid_results(tmp_path_factory):
+    return grade_mutants(tmp_path_factory.mktemp("mutants_09_grid"), LAB, GRID, GRID_MUTANTS)
+
+
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    assert_named(results[name], name, NAME, 8, *EXPECTED[name])
+    assert_named(results[name], name, NAME, 9, *EXPECTED[name])
+
+
+@pytest.mark.parametrize("name", list(GRID_MUTANTS))
+def test_a_grid_mutant_fails_and_its_clause_is_named(grid_results, name):
+    assert_named(grid_results[name], name, GRID, 4, *GRID_EXPECTED[name])

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from distlab.comm import bus_factor
-from distlab.planner import Model, Plan, estimate, layouts, suggest
+from distlab.planner import Model, Plan, estimate, layer_activation_bytes, layouts, suggest
 from distlab.pp import bubble_fraction
 from distlab.zero.memory import zero_bytes
 
@@ -18,7 +18,9 @@ def test_pure_data_parallel_is_zero_and_the_formulas_of_the_labs():
     lay = estimate(ONE_T, 1024, 1, 1)
     assert lay.zero_stage == 3                       # 1T does not fit with ZeRO-1 or -2
     assert lay.state_bytes == zero_bytes(1e12, 1024, 3) == 16e12 / 1024
-    assert lay.activation_bytes == 128 * 2 * 2048 * 25600      # 2 s b h per layer
+    # recomputed: 2 s b h per layer kept, and one layer's 34 s b h while it is recomputed
+    assert lay.activation_bytes == 128 * 2 * 2048 * 25600 + 34 * 2048 * 25600
+    assert lay.compute_s == pytest.approx(8 * 1e12 * 1024 * 2048 / (1024 * 989.4e12 * 0.4))
     assert lay.microbatches == 1 and lay.bubble == 0 and lay.tp_s == lay.pp_s == 0
     # ZeRO-3: two all-gathers and a reduce-scatter of the bf16 weights per step
     assert lay.dp_s == pytest.approx(3 * bus_factor("all_gather", 1024) * 2e12 / 25e9)
@@ -31,7 +33,8 @@ def test_tensor_and_pipeline_terms():
     m = 1024 // 16
     assert lay.microbatches == m and lay.bubble == bubble_fraction(8, m)
     message = 2 * 2048 * 25600
-    assert lay.tp_s == pytest.approx(4 * 128 / 8 * m * bus_factor("all_reduce", 8) * message / 370e9)
+    # 6 all-reduces per layer and micro-batch: forward, backward and the recomputed forward
+    assert lay.tp_s == pytest.approx(6 * 128 / 8 * m * bus_factor("all_reduce", 8) * message / 370e9)
     assert lay.pp_s == pytest.approx(2 * m * message / 25e9)
     assert lay.state_bytes == zero_bytes(1e12 / 64, 16, lay.zero_stage)
 
@@ -63,3 +66,39 @@ def test_the_widget_table_lists_the_suggestion():
     widget = Planner(ONE_T)
     widget.inputs["gpu_bytes"].value = 1          # 1 GB: nothing fits
     assert "none" in widget.out.value and "none" in repr(widget)
+
+
+def test_one_activation_model_with_labs_05_and_07():
+    """FlashAttention by default: 34 s h bytes per layer and sequence at t = 1 (lab 05),
+    34 s h / t with sequence parallelism (lab 07); the scores' 5 a s² / t only without it."""
+    plain = dataclasses.replace(ONE_T, recompute=False)
+    assert estimate(plain, 1024, 1, 1).activation_bytes == 128 * 34 * 2048 * 25600
+    sp = dataclasses.replace(plain, sequence_parallel=True)
+    assert layer_activation_bytes(sp, 8) == 34 * 2048 * 25600 / 8
+    assert layer_activation_bytes(plain, 8) == 2048 * 25600 * (10 + 24 / 8)
+    scores = dataclasses.replace(plain, flash_attention=False)
+    assert layer_activation_bytes(scores, 8) - layer_activation_bytes(plain, 8) == 5 * 160 * 2048 ** 2 / 8
+    # full recomputation: 8 Ψ per token against 6 Ψ
+    assert estimate(ONE_T, 1024, 1, 1).compute_s == pytest.approx(
+        8 / 6 * estimate(plain, 1024, 1, 1).compute_s)
+
+
+def test_the_parameter_count_of_a_shape():
+    """12 L h² + V h for the GPT; Llama 3.1 405B's shape (8 KV heads, SwiGLU of width
+    53,248, untied head) counts its published 405B."""
+    assert Model(layers=2, d_model=64, heads=4, vocab=100).num_params == 12 * 2 * 64 ** 2 + 100 * 64
+    llama = Model(layers=126, d_model=16384, heads=128, vocab=128256, kv_heads=8, ffn=53248,
+                  gated=True, tied=False)
+    assert 405e9 < llama.num_params < 406e9
+
+
+def test_the_widget_switches_change_the_activations():
+    pytest.importorskip("ipywidgets")
+    from distlab.viz.planner import Planner
+
+    widget = Planner(dataclasses.replace(ONE_T, recompute=False, gpu_bytes=1e15))
+    shown = widget.out.value
+    widget.switches["flash_attention"].value = False      # the scores kept: more memory
+    assert not widget.plan.flash_attention and widget.out.value != shown
+    widget.switches["sequence_parallel"].value = True
+    assert widget.plan.sequence_parallel

@@ -2,11 +2,10 @@
 
 The correctness rule of the kit, on gloo: each layout's losses (3 steps) and final
 gathered full weights equal the single process's (torch.optim.AdamW on the whole
-global batch, same seed):
-
-* fp64: within rtol = atol = 1e-12 (measured: at most 2e-14);
-* fp32: within rtol = atol = 1e-5 (measured: losses 3e-7, weights 5e-7), except the
-  attention key biases, within atol 2e-4 (measured 2e-5): see ``KEY_BIAS_ATOL``.
+global batch, same seed), in fp64 and in fp32, within ``rounding.MULTIPLE`` times the
+gap that another order of summation makes in one process (``tests/rounding.py``),
+tensor by tensor. The attention key biases in fp32 have their own bound: see
+``KEY_BIAS_ATOL``.
 
 The global batch of 5 rows splits unevenly over dp = 2, the tied head/embedding sits
 on the first and the last stage when pp = 2, the buckets are small so every stage has
@@ -29,6 +28,7 @@ from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.mesh import Mesh
 from distlab.model import GPT, config
+from rounding import assert_within, bounds
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
@@ -36,11 +36,10 @@ VOCAB, BATCH, SEQ, STEPS, LR = 13, 5, 8, 3, 1e-2
 LANG = NGramLanguage(VOCAB, 3, seed=0)
 CFG = config("test", vocab_size=VOCAB, n_layer=3)
 BUCKET_MB = 0.004     # ~1000 fp32 elements: several buckets per stage
-TOL = {"fp64": {"rtol": 1e-12, "atol": 1e-12}, "fp32": {"rtol": 1e-5, "atol": 1e-5}}
 # fp32 only: the key biases' true gradient is exactly zero (softmax ignores a constant
 # added to every score), so what backward computes is rounding noise, ~1e-10, which
-# AdamW divides by sqrt(v) + eps: a step of up to lr * |g| / (|g| + eps) ~ 2e-4 whose
-# sign depends on the order of the sums. fp64's noise is far below eps.
+# AdamW divides by sqrt(v) + eps: a step of up to lr * |g| / (|g| + eps) whose sign
+# depends on the order of the sums (measured up to 2e-5). fp64's noise is far below eps.
 KEY_BIAS_ATOL = 2e-2 * LR
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
 
@@ -50,32 +49,29 @@ def key_bias(name, w):
     return w[CFG.d_model:2 * CFG.d_model] if name.endswith("attn.qkv.bias") else None
 
 
-def assert_weights_equal(full, weights, precision):
-    assert sorted(full) == sorted(weights)
-    for name, w in weights.items():
-        got = full[name].clone()
+def assert_like_one_process(results, precision):
+    """Every rank's losses and rank 0's full weights against one process, within
+    rounding (the fp32 key biases within ``KEY_BIAS_ATOL``)."""
+    reference, tolerance = one_process(precision)
+    full = dict(results[0]["full"])
+    for name, w in reference[1].items():
         if precision == "fp32" and key_bias(name, w) is not None:
-            torch.testing.assert_close(key_bias(name, got), key_bias(name, w), rtol=0,
+            torch.testing.assert_close(key_bias(name, full[name]), key_bias(name, w), rtol=0,
                                        atol=KEY_BIAS_ATOL)
-            key_bias(name, got).copy_(key_bias(name, w))
-        torch.testing.assert_close(got, w, **TOL[precision], msg=lambda m, name=name: f"{name}: {m}")
+            full[name] = full[name].clone()
+            key_bias(name, full[name]).copy_(key_bias(name, w))
+    for rank, r in enumerate(results):
+        assert_within(r["losses"], full, reference, tolerance, f"rank {rank}: ")
 
 
 @functools.cache
 def one_process(precision="fp64"):
-    """Losses and final weights of AdamW on the whole global batch, in this process."""
-    torch.manual_seed(0)
-    model = GPT(CFG).to(DTYPES[precision])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = LANG.batch(step, BATCH, SEQ)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """torch.optim.AdamW on the whole global batch in this process, and the bounds
+    around its losses and weights (``rounding.bounds``)."""
+    def model():
+        torch.manual_seed(0)
+        return GPT(CFG).to(DTYPES[precision])
+    return bounds(model, LANG, STEPS, BATCH, SEQ, dict(lr=LR))
 
 
 def run_layout(dp, tp, pp, precision="fp32", microbatches=None, log=False, scaler=None,
@@ -110,13 +106,10 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1)]
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 @pytest.mark.parametrize("dp,tp,pp", LAYOUTS, ids=lambda v: str(v))
 def test_each_layout_trains_like_one_process(dp, tp, pp, precision):
-    losses, weights = one_process(precision)
     results = launch.run(run_layout, dp * tp * pp, dp, tp, pp, precision, backend="gloo",
                          timeout=60)
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(losses, dtype=torch.float64), **TOL[precision])
-    assert_weights_equal(results[0]["full"], weights, precision)
+    assert_like_one_process(results, precision)
+    weights = one_process(precision)[0][1]
     torch.manual_seed(0)
     start = GPT(CFG).state_dict()["blocks.0.mlp.up.weight"]
     assert (weights["blocks.0.mlp.up.weight"] - start).abs().max() > 1e-3   # it did train
@@ -125,12 +118,8 @@ def test_each_layout_trains_like_one_process(dp, tp, pp, precision):
 @pytest.mark.parametrize("precision", ["fp64", "fp32"])
 def test_dp_tp_pp_2_2_2_on_8_ranks(precision):
     """8 gloo processes on 2 cores: about a second a launch here."""
-    losses, weights = one_process(precision)
     results = launch.run(run_layout, 8, 2, 2, 2, precision, backend="gloo", timeout=60)
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
-                                   torch.tensor(losses, dtype=torch.float64), **TOL[precision])
-    assert_weights_equal(results[0]["full"], weights, precision)
+    assert_like_one_process(results, precision)
 
 
 def test_gradients_are_reduce_scattered_during_backward_and_gathered_after_the_step():
@@ -180,10 +169,11 @@ def run_mixed(dp, tp, pp, precision, init_scale=None):
 
 def assert_tracks_fp64(results, rtol):
     """Mixed precision against the fp64 run: losses within ``rtol``; each parameter's
-    distance from the fp64 weights under a quarter of the fp64 update's own size
-    (measured: 0.14 in bf16, 0.12 in fp16). Fused qkv biases are left out: their key
+    distance from the fp64 weights under half the fp64 update's own size (measured:
+    0.14 in bf16, 0.12 in fp16; a weight left alone is 1 away, a wrong gradient about 1
+    or more). Fused qkv biases are left out: their key
     third's gradient is rounding noise (KEY_BIAS_ATOL), which AdamW turns into steps."""
-    losses, weights = one_process("fp64")
+    (losses, weights), _ = one_process("fp64")
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"], dtype=torch.float64),
                                    torch.tensor(losses, dtype=torch.float64), rtol=rtol, atol=0)
@@ -194,7 +184,7 @@ def assert_tracks_fp64(results, rtol):
     for name, w in weights.items():
         if not name.endswith("qkv.bias"):
             update = (w - start[name].double()).norm()
-            assert (full[name].double() - w).norm() < 0.25 * update, name
+            assert (full[name].double() - w).norm() < 0.5 * update, name
 
 
 def test_bf16_on_every_dimension_tracks_the_fp64_run_with_fp32_masters():

@@ -14,22 +14,29 @@ and ``d = gpus / (t p)`` DP ranks, ``m = B / (d b)`` micro-batches of ``b`` sequ
   for the ``Ψ / (t p)`` parameters of one stage's TP shard, over ``d`` ranks, at the
   lowest ZeRO stage that fits;
 * **activations**: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models", eq. 2) per layer and micro-batch, ``s b h (10 + 24/t + 5 a s/(h t))``
-  bytes, times the ``L`` layers' worth that 1F1B's first stage holds (``p`` micro-batches
-  of ``L/p`` layers, lab 07); with full recomputation ``2 s b h`` per layer;
+  Transformer Models", section 4) per layer and micro-batch in bf16,
+  ``s b h (10 + 24/t)`` bytes (``34 s b h / t`` with sequence parallelism), the same
+  model as labs 05 and 07: FlashAttention (Dao et al. 2022) never stores the attention
+  scores, so their ``5 a s² b / t`` is counted only with ``flash_attention=False``.
+  1F1B's first stage holds ``L`` layers' worth (``p`` micro-batches of ``L/p`` layers,
+  lab 07). With full recomputation each layer keeps its input, ``2 s b h`` (``/t`` with
+  sequence parallelism), and the layer being recomputed holds its whole set once more;
 * **TP**: 4 all-reduces of ``2 s b h`` bytes per layer and micro-batch (Megatron's f and g,
-  forward and backward, lab 06) at the intra-node bandwidth;
+  forward and backward, lab 06; 6 with recomputation) at the intra-node bandwidth;
 * **PP**: one activation forward and one gradient back per micro-batch per boundary,
   on the network;
 * **DP**: a reduce-scatter and an all-gather of the stage's bf16 weights (ZeRO-3: a
   second all-gather, for backward), on the network; hidden under backward where it fits;
 * **bubble**: ``(p - 1)/(m + p - 1)`` (:func:`distlab.pp.bubble_fraction`);
-* **compute**: ``6 Ψ`` FLOPs per token (lab 04) at ``mfu`` of the peak.
+* **compute**: ``6 Ψ`` FLOPs per token (lab 04), ``8 Ψ`` with full recomputation (one
+  more forward), at ``mfu`` of the peak.
 
 Collectives cost ``bus_factor(op, n) · bytes / bandwidth`` (:func:`distlab.comm.bus_factor`:
 the ring's ``2(n-1)/n`` for an all-reduce, ``(n-1)/n`` for the others). Outside the model:
 mixture-of-experts layers (expert parallelism), context parallelism (a sequence split
-over GPUs), sequence parallelism, interleaved stages, and a network's topology.
+over GPUs), selective recomputation, interleaved stages, and a network's topology. The
+activation formula is the GPT block's (every head with its own keys and values, an MLP
+of width 4h); ``Model(kv_heads=, ffn=, gated=)`` changes the parameter count only.
 """
 from __future__ import annotations
 
@@ -39,25 +46,36 @@ from distlab.comm import bus_factor
 from distlab.pp.schedule import bubble_fraction
 from distlab.zero.memory import zero_bytes
 
-__all__ = ["Layout", "Model", "Plan", "activation_bytes", "divisors", "estimate", "layouts",
-           "suggest"]
+__all__ = ["Layout", "Model", "Plan", "activation_bytes", "divisors", "estimate",
+           "layer_activation_bytes", "layouts", "suggest"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A dense GPT's shape; ``params`` defaults to 12 L h² + V h (blocks and embedding)."""
+    """A dense GPT's shape. ``params`` defaults to the count of the shape: per layer
+    ``2 h² + 2 h² kv/a`` for attention (grouped-query attention: ``kv_heads`` of them) and
+    ``2 h f`` for the MLP of width ``f`` (``3 h f`` gated, as SwiGLU), with ``f = 4 h`` and
+    ``kv = a`` the GPT's ``12 h²``; plus ``V h`` for the embedding, twice if the head is
+    not tied to it."""
 
     layers: int
     d_model: int
     heads: int
     vocab: int
     params: float | None = None
+    kv_heads: int | None = None
+    ffn: int | None = None
+    gated: bool = False
+    tied: bool = True
 
     @property
     def num_params(self) -> float:
         if self.params is not None:
             return self.params
-        return 12 * self.layers * self.d_model ** 2 + self.vocab * self.d_model
+        h, kv = self.d_model, self.kv_heads or self.heads
+        ffn = self.ffn or 4 * h
+        block = 2 * h * h + 2 * h * h * kv / self.heads + (3 if self.gated else 2) * h * ffn
+        return self.layers * block + (1 if self.tied else 2) * self.vocab * h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +96,8 @@ class Plan:
     micro_batch: int = 1
     mfu: float = 0.4
     recompute: bool = False
+    flash_attention: bool = True
+    sequence_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +138,25 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def activation_bytes(plan: Plan, tp: int) -> float:
-    """Activations 1F1B's first stage holds, per GPU (Korthikanti et al. 2022, eq. 2,
-    bf16, no sequence parallelism)."""
+def layer_activation_bytes(plan: Plan, tp: int) -> float:
+    """What one layer keeps for backward, per micro-batch, bf16 (Korthikanti et al. 2022):
+    ``s b h (10 + 24/t)``, ``34 s b h / t`` with sequence parallelism, plus the attention
+    scores' ``5 a s² b / t`` without FlashAttention."""
     s, b, h, a = plan.seq_len, plan.micro_batch, plan.model.d_model, plan.model.heads
-    per_layer = 2 * s * b * h if plan.recompute else s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    return plan.model.layers * per_layer
+    outside = 10 / tp if plan.sequence_parallel else 10    # norms, dropout, residuals
+    scores = 0 if plan.flash_attention else 5 * a * s * s * b / tp
+    return s * b * h * (outside + 24 / tp) + scores
+
+
+def activation_bytes(plan: Plan, tp: int) -> float:
+    """Activations 1F1B's first stage holds, per GPU: ``L`` layers' worth; with full
+    recomputation each layer's input and one layer's whole set, the one recomputed."""
+    layer = layer_activation_bytes(plan, tp)
+    if not plan.recompute:
+        return plan.model.layers * layer
+    kept = 2 * plan.seq_len * plan.micro_batch * plan.model.d_model
+    kept /= tp if plan.sequence_parallel else 1
+    return plan.model.layers * kept + layer
 
 
 def estimate(plan: Plan, dp: int, tp: int, pp: int) -> Layout:
@@ -136,9 +169,11 @@ def estimate(plan: Plan, dp: int, tp: int, pp: int) -> Layout:
                  None)
     states = zero_bytes(local, dp, stage or 1)
     tokens = plan.global_batch * plan.seq_len
-    compute = 6 * psi * tokens / (plan.gpus * plan.peak_flops * plan.mfu)
+    flops_per_token = (8 if plan.recompute else 6) * psi     # recomputation: a 2nd forward
+    compute = flops_per_token * tokens / (plan.gpus * plan.peak_flops * plan.mfu)
     message = 2 * plan.seq_len * plan.micro_batch * model.d_model         # bf16 activations
-    tp_s = 0.0 if tp == 1 else (4 * model.layers / pp * m * bus_factor("all_reduce", tp)
+    calls = 6 if plan.recompute else 4          # f and g: forward, backward, recomputed forward
+    tp_s = 0.0 if tp == 1 else (calls * model.layers / pp * m * bus_factor("all_reduce", tp)
                                 * message / plan.intra_bw)
     pp_s = 0.0 if pp == 1 else 2 * m * message / plan.inter_bw
     passes = 3 if stage == 3 else 2

@@ -50,7 +50,8 @@ the single-process model, under its key in ``state``: ``model.<param>``,
   rectangle moved to where the shard lies in the whole tensor (row or column offsets,
   qkv's rows regrouped by head), under the single-process names, a weight tied across
   stages under both of its names. So a run saved at one (dp, tp, pp) resumes at any
-  other.
+  other. A trainer with a loss scaler (fp16) saves its scale, the steps since the scale
+  last changed and the steps skipped, so that a resumed run does not start its scale over.
 
 **Limits found.** ``DTensor.from_local(..., shape=, stride=)`` over ``tensor_split`` pieces
 that differ from ``torch.chunk``'s (13 rows on 3 ranks: 5, 4, 4 against 5, 5, 3) is saved
@@ -220,6 +221,11 @@ def _apply(state: dict, sd: dict, placeholders: dict[str, _Local]) -> None:
             for bucket in value.buckets:
                 bucket.state["step"] = int(sd[key]["adamw_step"])
                 bucket.flat.gather().wait()
+            scaler = sd[key].get("loss_scaler")
+            if scaler is not None:
+                value.scaler.scale_value = float(scaler["scale"])
+                value.scaler.good_steps = int(scaler["good_steps"])
+                value.scaler.skipped = int(scaler["skipped"])
         elif not isinstance(value, nn.Module):
             state[key] = sd[key]
 

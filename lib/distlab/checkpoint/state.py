@@ -30,6 +30,8 @@ def _build(state: dict, saved: dict | None) -> dict:
             sd[key] = _module_dcp(modules[key])
         elif isinstance(value, Trainer):
             sd[key] = _trainer_dcp(value, loading=saved is not None)
+            if value.scaler is not None and (saved is None or f"{key}.loss_scaler.scale" in saved):
+                sd[key]["loss_scaler"] = _scaler_state(value.scaler)
         elif isinstance(value, Optimizer):
             sd[key] = _optim_dcp(value, modules[_owner(value, modules, key)], key, saved)
         else:
@@ -122,7 +124,8 @@ def _trainer_dcp(trainer, loading: bool) -> dict:
     shard, placed in the whole tensor (:func:`_flat_range_of`); a tied parameter saved
     under each of the single-process model's names (stage 0 holds ``tok_emb.weight``,
     the last stage ``head.weight``: either loads either); AdamW's step count whole.
-    Loading fills a fresh trainer's masters and moments in place."""
+    Loading fills a fresh trainer's masters and moments in place. A trainer with a loss
+    scaler also saves the scaler's state (``loss_scaler``, see :func:`_build`)."""
     from distlab.model import GPT
 
     tp_layouts = _tp_layouts(trainer.model) if trainer.mesh.grid.tp > 1 else {}
@@ -139,16 +142,27 @@ def _trainer_dcp(trainer, loading: bool) -> dict:
             state.update(step=0, exp_avg=torch.zeros_like(flat.master),
                          exp_avg_sq=torch.zeros_like(flat.master))
         steps = max(steps, state.get("step", 0))
+        # no update yet (every step so far skipped by the loss scaler): AdamW's moments
+        # are zeros, as a first update would start them
+        moments = state if "exp_avg" in state else {
+            k: torch.zeros_like(flat.master) for k in ("exp_avg", "exp_avg_sq")}
         for name, p, off, (lo, hi) in zip(flat.names, flat.params, flat.offsets, flat.ranges):
             at = off + lo - flat.start if hi > lo else 0
             layout = _flat_range_of(tp_layouts.get(name) or _Layout.whole(p.shape), p.shape,
                                     lo, hi)
             for alias in ([name] if loading else aliases.get(name, [name])):
                 model[alias] = _Local(flat.master[at:at + hi - lo], layout)
-                if "exp_avg" in state:
-                    optim[alias] = {k: _Local(state[k][at:at + hi - lo], layout)
-                                    for k in ("exp_avg", "exp_avg_sq")}
+                optim[alias] = {k: _Local(moments[k][at:at + hi - lo], layout)
+                                for k in ("exp_avg", "exp_avg_sq")}
     return {"model": model, "optim": optim, "adamw_step": steps}
+
+
+def _scaler_state(scaler) -> dict:
+    """A :class:`distlab.zero.DynamicLossScaler`'s state, the same on every rank: its
+    scale, the steps since it last changed and the steps skipped (a resumed fp16 run
+    goes on with them instead of starting its scale over)."""
+    return {"scale": scaler.scale_value, "good_steps": scaler.good_steps,
+            "skipped": scaler.skipped}
 
 
 def _tp_layouts(module: nn.Module) -> dict[str, _Layout]:

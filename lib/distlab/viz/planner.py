@@ -48,8 +48,8 @@ def table_text(plan: Plan, top: int = 8) -> str:
 
 
 class Planner:
-    """Text boxes for the run's sizes, a recomputation switch, and the table of
-    :func:`table_text`, redrawn on every change."""
+    """Text boxes for the run's sizes, switches for recomputation, FlashAttention and
+    sequence parallelism, and the table of :func:`table_text`, redrawn on every change."""
 
     def __init__(self, plan: Plan):
         import ipywidgets as widgets
@@ -62,11 +62,17 @@ class Planner:
                 value = plan.model.num_params
             self.inputs[name] = widgets.FloatText(value=value / scale, description=label,
                                                   style={"description_width": "initial"})
-        self.recompute = widgets.Checkbox(value=plan.recompute, description="recompute activations")
+        self.switches = {
+            "recompute": widgets.Checkbox(value=plan.recompute, description="recompute activations"),
+            "flash_attention": widgets.Checkbox(value=plan.flash_attention,
+                                                description="FlashAttention (no scores kept)"),
+            "sequence_parallel": widgets.Checkbox(value=plan.sequence_parallel,
+                                                  description="sequence parallelism"),
+        }
         self.out = widgets.HTML()
-        for w in [*self.inputs.values(), self.recompute]:
+        for w in [*self.inputs.values(), *self.switches.values()]:
             w.observe(lambda _: self.update(), names="value")
-        boxes = list(self.inputs.values()) + [self.recompute]
+        boxes = list(self.inputs.values()) + list(self.switches.values())
         self.widget = widgets.VBox([widgets.HBox(boxes[i:i + 3]) for i in range(0, len(boxes), 3)]
                                    + [self.out])
         self.update()
@@ -78,7 +84,7 @@ class Planner:
         self.plan = dataclasses.replace(
             self.plan, model=model, seq_len=int(v["seq_len"]), global_batch=int(v["global_batch"]),
             gpus=int(v["gpus"]), gpu_bytes=v["gpu_bytes"], intra_bw=v["intra_bw"],
-            inter_bw=v["inter_bw"], recompute=self.recompute.value)
+            inter_bw=v["inter_bw"], **{k: w.value for k, w in self.switches.items()})
         self.out.value = f"<pre>{table_text(self.plan)}</pre>"
 
     def __repr__(self) -> str:

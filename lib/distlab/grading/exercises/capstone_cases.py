@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.model import GPT, config
+from rounding import bounds
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
@@ -82,7 +83,8 @@ def train(step_fn, runs, groups=None):
                               torch.bfloat16 if bf16 else None) for names in plan(model)]
         seen, counts, current = [], [], {}
         _record(model, seen, counts, current)
-        state, losses, logs, kept, moments = {}, [], [], [], None
+        ours = hooks_on(model)
+        state, losses, logs, kept, moments, hooks, fp32_losses = {}, [], [], [], None, [], []
         for step in range(STEPS):
             x, y = batch_of(step, 1000 * g, index, size)
             counts.append([])
@@ -93,12 +95,17 @@ def train(step_fn, runs, groups=None):
             losses.append(loss if isinstance(loss, float) else repr(type(loss).__name__))
             logs.append(log.records())
             kept.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+            hooks.append(hooks_on(model) - ours)
+            logits = current.pop("logits", None)
+            fp32_losses.append(None if logits is None else F.cross_entropy(
+                logits.flatten(0, 1), y.flatten()).item())
             if step == 0:
                 moments = first_moments(state, len(buckets))
         for gather in state.get("gathers", []) if isinstance(state, dict) else []:
             gather.wait()
         out[name] = {"losses": losses, "seen": seen, "counts": [c[-1] if c else None for c in counts],
-                     "logs": logs, "kept": kept, "moments": moments,
+                     "logs": logs, "kept": kept, "moments": moments, "hooks": hooks,
+                     "autocast": current.get("autocast", []), "fp32_losses": fp32_losses,
                      "master_dtypes": [str(b.master.dtype) for b in buckets],
                      "bounds": [(b.start, b.end) for b in buckets],
                      "weights": {n: p.detach().to(torch.float64, copy=True)
@@ -107,13 +114,34 @@ def train(step_fn, runs, groups=None):
 
 
 def _record(model, seen: list, counts: list, current: dict) -> None:
-    """Hooks that append to ``seen`` the weights each forward reads and to ``counts[-1]``,
-    at each gradient accumulated, the reduce-scatters ``current["log"]`` holds so far."""
-    model.register_forward_pre_hook(lambda *_: seen.append(
-        {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}))
+    """Hooks that append to ``seen`` the weights each forward reads, to
+    ``current["autocast"]`` the autocast dtype forward runs under (None: off), keep in
+    ``current["logits"]`` forward's output in fp64, and append to ``counts[-1]``, at each
+    gradient accumulated, the reduce-scatters ``current["log"]`` holds so far."""
+    def before(*_):
+        seen.append({n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()})
+        on = torch.is_autocast_enabled("cpu")
+        current.setdefault("autocast", []).append(
+            str(torch.get_autocast_dtype("cpu")) if on else None)
+    model.register_forward_pre_hook(before)
+    model.register_forward_hook(lambda _m, _a, out: current.__setitem__(
+        "logits", out.detach().to(torch.float64)))
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda _p: counts[-1].append(
             current["log"].count(RS_OPS) if "log" in current else -1))
+
+
+def hooks_on(model) -> int:
+    """Hooks registered on the model's modules and parameters (torch keeps them in these
+    dicts; the public API offers only their handles)."""
+    count = 0
+    for module in model.modules():
+        count += sum(len(getattr(module, d, None) or {}) for d in (
+            "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
+    for p in model.parameters():
+        count += len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+        count += len(getattr(p, "_backward_hooks", None) or {})
+    return count
 
 
 def first_moments(state, buckets: int):
@@ -149,6 +177,21 @@ def one_process(offsets=(0,), dtype=torch.float64, steps=STEPS):
                      for n, p in model.named_parameters()}
     return {"seen": seen, "losses": losses, "exp_avg": first,
             "weights": {n: p.detach().double().clone() for n, p in model.named_parameters()}}
+
+
+# A correct answer may sum in yet another order than the three that measure rounding:
+# the grader allows a thousand times their gap (about 1e-9 in fp64 here); the mistakes it
+# names are off by 1e-4 or more.
+GRADING_MULTIPLE = 1000
+
+
+@functools.cache
+def tolerance() -> float:
+    """The fp64 checks' bound on a loss, weight or moment gap: GRADING_MULTIPLE times the
+    largest gap another order of summation makes in one process (``rounding.bounds``)."""
+    _, (loss_tol, weight_tol) = bounds(make_model, LANG, STEPS, BATCH, SEQ, ADAMW,
+                                       GRADING_MULTIPLE)
+    return max(loss_tol, *weight_tol.values())
 
 
 def bucket_shard(values: dict, names: list[str], bounds) -> torch.Tensor:
