@@ -16,8 +16,6 @@
 #
 # `distlab.fp8` holds the formats and the scalings this section shows; `torchao`'s
 # `float8` training is the production version the GPU section measures.
-#
-# <!-- not measured: 671B -->
 
 # %%
 import math
@@ -114,12 +112,15 @@ for name in rows_db:
 # %% [markdown]
 # Read the two panels from left to right.
 #
-# - **Tensorwise:** one scale for all. The larger the outlier, the smaller the scale, and
-#   the other rows' values sink towards the subnormals, where E4M3 has fewer and fewer
-#   bits: their SQNR falls, then collapses once they drop below the smallest subnormal
-#   and become 0. The outlier itself is exact to E4M3's precision.
+# - **Tensorwise:** one scale for all, so the larger the outlier, the smaller the other
+#   rows' values after scaling. Nothing is lost while they stay among E4M3's normal
+#   numbers, whose relative precision is the same at every magnitude (the outlier up to
+#   about 2¹⁵ times their size: the normals' binades). Beyond, they sink into the
+#   subnormals, which have fewer and fewer bits, and their SQNR collapses; the smallest
+#   become 0. The outlier itself is exact to E4M3's precision.
 # - **Rowwise:** only the outlier's row shares its scale; every other row keeps its own
-#   and its full precision, whatever the outlier. The price is a scale per row, which
+#   and its full precision, whatever the outlier (its line hides the delayed one's on the
+#   left). The price is a scale per row, which
 #   the matmul must apply to its output (torchao's `rowwise` recipe; the hardware's
 #   "scaled matmul" takes a vector of scales).
 # - **Delayed:** the scale comes from the history, in which the outlier never was, so
@@ -350,8 +351,6 @@ for rank, (y, dx, dw, calls) in enumerate(launch.run(sharded_layer, 2, backend="
 #   BF16's model FLOPs utilisation;
 # - the loss curves of both precisions over a few hundred steps of the same batches of
 #   the synthetic language, from the same initial weights.
-#
-# <!-- not measured: 98M, 1.25B -->
 
 # %%
 from distlab.acceptance.render import show
@@ -369,3 +368,5 @@ if result is not None:
 # the kernel launches dominate), and the speedup approaches the tensor cores' 2× only
 # as all three dimensions grow. A GPT step gains less than its matmuls do: attention's
 # softmax, the norms and the optimizer stay in BF16/FP32.
+#
+# <!-- not measured: 2× (the datasheets' FP8 over BF16 peak) -->

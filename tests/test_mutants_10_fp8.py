@@ -20,16 +20,10 @@ MUTANTS = {
     # the output's gradient in the forward's format
     "gradient_in_e4m3": [("gq, gs = _cast(dy, torch.float8_e5m2, group)",
                           "gq, gs = _cast(dy, torch.float8_e4m3fn, group)")],
-    # the weight left in float32 in forward
-    "weight_not_cast": [("y = (xq.float() / xs) @ (wq.float() / ws).t()",
-                         "y = (xq.float() / xs) @ weight.t()")],
     # the cast without a scale: values keep their place in the format's range
     "no_scale": [("    scale = top / amax.clamp(min=1e-12)", "    scale = torch.ones(())")],
     # max / 0 for a tensor of zeros
     "zero_amax": [("amax.clamp(min=1e-12)", "amax")],
-    # the bias's gradient summed from the FP8 gradient
-    "bias_gradient_cast": [("db = dy.reshape(-1, dy.shape[-1]).sum(0)",
-                            "db = g.reshape(-1, g.shape[-1]).sum(0)")],
     # the replicated weight's amax all-reduced as well: a collective for nothing
     "weight_amax_reduced": [("wq, ws = _cast(weight, torch.float8_e4m3fn, None)",
                              "wq, ws = _cast(weight, torch.float8_e4m3fn, group)")],
@@ -42,13 +36,9 @@ EXPECTED = {
                                "all-reduce it with MAX"]),
     "gradient_in_e4m3": ("partial", ["test_the_input_gradient_casts_the_output_gradient_to_e5m2",
                                      "cast to e4m3, not e5m2"]),
-    "weight_not_cast": ("partial", ["test_the_output_multiplies_the_e4m3_casts_of_x_and_weight",
-                                    "the weight was not cast at all"]),
-    "no_scale": ("partial", ["test_the_output_multiplies_the_e4m3_casts_of_x_and_weight",
-                             "WITHOUT a scale"]),
+    "no_scale": ("fail", ["test_the_output_multiplies_the_e4m3_casts_of_x_and_weight",
+                          "WITHOUT a scale"]),
     "zero_amax": ("partial", ["test_all_zero_tensors_give_zeros_not_nan", "max/0 is inf"]),
-    "bias_gradient_cast": ("partial", ["test_the_bias_and_its_gradient_stay_float32",
-                                       "summed from the gradient as e5m2 sees it"]),
     "weight_amax_reduced": ("partial", ["test_one_max_all_reduce_of_one_number_per_sharded_cast",
                                         "its amax needs none"]),
 }
