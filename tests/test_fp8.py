@@ -1,5 +1,6 @@
 """distlab.fp8 (formats, scalings, the sharded amax rule) and distlab.bench.fp8's judging,
 table and figure, plus its torchao code path emulated on the CPU at a tiny size."""
+import json
 import math
 
 import pytest
@@ -154,8 +155,11 @@ def test_the_torchao_path_runs_emulated_on_the_cpu():
                                           d_model=32)), emulate=True)
     kinds = {name: type(m).__name__ for name, m in model.named_modules()}
     assert kinds["blocks.0.mlp.up"] == "Float8Linear" and kinds["head"] == "Linear"
-    rows = bench.linear_rows([(16, 32, 16)], emulate=True, compile=False, iters=2)
-    assert rows[0]["shape"] == [16, 32, 16] and rows[0]["fp8_ms"] > 0
+    measured = bench.measure(["linear"], quick=True, emulate=True, compile=False, iters=2,
+                             warmup=1)
+    assert [r["shape"] for r in measured["linear"]] == [list(s) for s in bench.QUICK_SHAPES]
+    assert measured["meta"]["emulate"] and measured["meta"]["torchao"] and "gpt" not in measured
+    json.dumps(measured)    # what the bench writes
     (row,) = bench.gpt_rows({"t": (dict(vocab_size=64, seq_len=8, n_layer=1, n_head=2,
                                         d_model=32), 2, 4)},
                             dict(vocab_size=8, order=2), emulate=True, compile=False, warmup=1)

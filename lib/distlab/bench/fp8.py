@@ -52,8 +52,8 @@ QUICK_SHAPES = [(32, 64, 32), (64, 128, 64)]
 # name -> (GPT fields, batch size, steps); seq_len is the sequence trained on; the 98M
 # preset's vocabulary (98M parameters with it) for both
 GPTS = {
-    "98M": (dict(vocab_size=16384, seq_len=1024, n_layer=12, n_head=12, d_model=768), 16, 60),
-    "1.25B": (dict(vocab_size=16384, seq_len=2048, n_layer=24, n_head=16, d_model=2048), 4, 300),
+    "98M": (dict(vocab_size=16384, seq_len=1024, n_layer=12, n_head=12, d_model=768), 16, 40),
+    "1.25B": (dict(vocab_size=16384, seq_len=2048, n_layer=24, n_head=16, d_model=2048), 4, 200),
 }
 QUICK_GPTS = {"tiny": (dict(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=64), 2, 12)}
 # the synthetic language trained on (its tokens are ids of the GPT's vocabulary)
