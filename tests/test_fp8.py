@@ -166,3 +166,13 @@ def test_the_torchao_path_runs_emulated_on_the_cpu():
     assert len(row["bf16"]["losses"]) == len(row["fp8"]["losses"]) == 4
     # the same weights and batches: the first losses agree to FP8's precision
     assert row["fp8"]["losses"][0] == pytest.approx(row["bf16"]["losses"][0], rel=0.02)
+
+
+def test_the_acceptance_check_needs_one_gpu_and_states_the_goals():
+    from distlab.acceptance import checks, cli, registry  # noqa: F401  (registers the checks)
+
+    check = registry.REGISTRY["fp8"]
+    assert check.gpus == 1 and check.run is checks.fp8
+    for words in ("torchao", f"{bench.GOALS['linear speedup']}x", bench.BIG, "60%", "1%"):
+        assert words in check.goal, words
+    assert any(line.startswith("fp8 ") for line in cli.listing().splitlines())
