@@ -318,8 +318,7 @@ for name, a, e in zip(("output", "dx", "dW", "bias grad"), ours, exact):
 def sharded_layer():
     rank, world = dist.get_rank(), dist.get_world_size()
     x, w, b, dy = layer_case()
-    rows = (t.tensor_split(world)[rank] for t in (x, dy))
-    mine_x, mine_dy = rows
+    mine_x, mine_dy = (t.tensor_split(world)[rank] for t in (x, dy))
     with CommLog() as log:
         y, dx, dw, db = forward_backward(fp8_linear, mine_x, w, b, mine_dy, dist.group.WORLD)
     return y, dx, dw, log.count("all_reduce")
