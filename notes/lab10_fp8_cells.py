@@ -337,8 +337,10 @@ for rank, (y, dx, dw, calls) in enumerate(launch.run(sharded_layer, 2, backend="
 # The emulation above has the numerics; the speed comes from the hardware's scaled FP8
 # matmul (`torch._scaled_mm`), and what stands around it: the amax passes and the casts
 # must be fused into neighbouring kernels, or they cost more than the matmul saves.
-# `torchao.float8` (`convert_to_float8_training`, the `tensorwise` recipe: the contract
-# above, with the casts fused by `torch.compile`) is the well-kept production version.
+# `torchao.float8` (`convert_to_float8_training`, the `tensorwise` recipe, with the casts
+# fused by `torch.compile`) is the well-kept production version. Its numerics are the
+# contract above: emulated on a CPU, its output and both gradients equal those of
+# `distlab.fp8`'s casts to float32 rounding (`tests/test_fp8.py` checks it).
 # The acceptance check `fp8` (one GPU, `python -m distlab.bench.fp8`) measures, against
 # BF16, both compiled:
 #

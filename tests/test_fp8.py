@@ -176,3 +176,21 @@ def test_the_acceptance_check_needs_one_gpu_and_states_the_goals():
     for words in ("torchao", f"{bench.GOALS['linear speedup']}x", bench.BIG, "60%", "1%"):
         assert words in check.goal, words
     assert any(line.startswith("fp8 ") for line in cli.listing().splitlines())
+
+
+def test_torchaos_tensorwise_recipe_is_the_exercises_contract():
+    """torchao's Float8Linear (tensorwise, emulated) computes what fp8_linear's contract
+    says, from distlab.fp8's casts: up to float32 rounding of the same matmuls."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    layer = bench.to_float8(torch.nn.Sequential(torch.nn.Linear(32, 16, bias=False)),
+                            emulate=True)
+    x, dy = torch.randn(8, 32, requires_grad=True), torch.randn(8, 16)
+    y = layer(x)
+    y.backward(dy)
+    w, xd = layer[0].weight.detach(), x.detach()
+    for got, want in ((y, fp8.round_trip(xd, "e4m3") @ fp8.round_trip(w, "e4m3").t()),
+                      (x.grad, fp8.round_trip(dy, "e5m2") @ fp8.round_trip(w, "e4m3")),
+                      (layer[0].weight.grad,
+                       fp8.round_trip(dy, "e5m2").t() @ fp8.round_trip(xd, "e4m3"))):
+        assert torch.allclose(got.detach(), want, rtol=1e-5, atol=1e-6)
