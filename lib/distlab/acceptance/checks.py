@@ -211,6 +211,20 @@ def train(ctx: Context) -> Verdict:
          "ours MFU", "torch MFU"], rows)})
 
 
+def fp8(ctx: Context) -> Verdict:
+    from distlab.bench import fp8 as fp8_bench
+
+    _needs("torchao", f"it is FP8's production version (torchao=={fp8_bench.TORCHAO}, built for "
+                      f"torch 2.11; tools/fp8-wheels.sh carries it to a machine without internet)")
+    out = ctx.scratch / "fp8"
+    proc = ctx.python("-m", "distlab.bench.fp8", "--out", out)
+    data = _json(out / "fp8_bench.json", proc)
+    misses = fp8_bench.goal_misses(data)
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    return Verdict(misses, {**data, "table": fp8_bench.table(data)})
+
+
 def _needs(module: str, why: str) -> None:
     import importlib.util
 
@@ -295,12 +309,13 @@ def grader_tiers(ctx: Context) -> Verdict:
 
 
 def _register_all() -> None:
+    from distlab.bench import fp8 as fp8_bench
     from distlab.bench import pp as pp_bench
     from distlab.bench import tp as tp_bench
     from distlab.bench import train as train_bench
     from distlab.bench import zero as zero_bench
 
-    g = zero_bench.GOALS
+    g, f8 = zero_bench.GOALS, fp8_bench.GOALS
     zero_goal = (f"sharded AdamW kernel within {g['kernel / fused AdamW']}x the fused AdamW; "
                  f"model states, step buffers and peak within {g['memory error']:.0%} of "
                  f"distlab.zero.memory's accounting, nothing left behind")
@@ -332,6 +347,11 @@ def _register_all() -> None:
               f"torch.distributed.pipelining's Schedule1F1B) at (dp, tp, pp) = "
               f"{', '.join(f'({lay})' for lay in train_bench.LAYOUTS)}, bf16, 2 NCCL ranks, on "
               f"every link (NVLink, host memory, sockets); torch's side runs in each", train),
+        Check("fp8", 1, 900, f"torchao's float8 training (tensorwise) against BF16, compiled, "
+              f"1 GPU: a linear layer's forward and backward >= {f8['linear speedup']}x at the "
+              f"largest shape (the crossover shape printed); the {fp8_bench.BIG} GPT step >= "
+              f"{f8['gpt speedup']}x BF16's tokens/s with final losses within "
+              f"{f8['final loss gap']:.0%}; BF16 MFU of that GPT >= {f8['bf16 mfu']:.0%}", fp8),
         Check("nbval-gpu", 1, 540, "every solution notebook replays its outputs (pytest --nbval) "
               "with the GPUs present", nbval_gpu),
         Check("grader-tiers", 1, 540, "python -m distlab.grading solutions/*.ipynb gives full "

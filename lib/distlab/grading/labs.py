@@ -71,6 +71,9 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "distributed_train_step": ("distlab.train:Trainer", "distlab.train:build",
                                "distlab.train:train", "distlab.train:_Bucket",
                                "distlab.train:_Shards"),
+    # lab 10: the casts of distlab.fp8 are the exercise's own few lines
+    "fp8_linear": tuple(f"distlab.fp8:{n}" for n in (
+        "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),
 }
 
 REFUSAL = "this is the library's answer to the exercise being graded"
