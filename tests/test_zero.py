@@ -126,7 +126,7 @@ def bf16_bytes(kind, group, solo):
         measured = {"states": tracker.allocated()}
         tracker.reset_peak()
         held = memory.held_bytes(net, opt).as_dict()
-        units = [f.numel for f in (net if hasattr(net, "flat_params") else opt).flat_params()]
+        units = memory.units_of((net if hasattr(net, "flat_params") else opt).flat_params())
         opt.step()
         measured["step"] = tracker.peak() - measured["states"]
         params = len(list(model.parameters()))
@@ -471,12 +471,14 @@ def test_each_rank_holds_what_the_accounting_says(world):
         for kind, (held, units, measured, params) in r["bytes"].items():
             stage = int(kind[-1])
             where = f"{kind}, rank {rank} of {world}"
-            want = memory.accounting(units, 1 if stage == 0 else world, 0 if stage == 0
-                                     else rank, stage).as_dict()
+            (sharded, whole) = units
+            want = memory.accounting(sharded, 1 if stage == 0 else world, 0 if stage == 0
+                                     else rank, stage, whole).as_dict()
             assert held == want, f"{where}: {held} != {want}"
             flags = 2 * params if stage == 0 else 0   # DataParallel's flag per parameter
             assert measured["states"] == want["total"] + flags, where
-            assert measured["step"] == memory.step_buffers(units, world, rank, stage), where
+            assert measured["step"] == memory.step_buffers(sharded, world, rank, stage,
+                                                           whole), where
             assert measured["left"] == 0, f"{where}: {measured['left']} bytes outlive it"
 
 

@@ -68,6 +68,7 @@ import torch.nn as nn
 
 from distlab.backend import check_module_devices
 from distlab.comm import check_group
+from distlab.reference.zero import reduce_grads
 from distlab.zero.flat import FlatParams, source_rank
 
 
@@ -250,7 +251,7 @@ class FullyShardedDataParallel(nn.Module):
         if unit in self._reduced:
             return
         self._reduced.add(unit)
-        pending = unit.flat.reduce_grads(async_op=True)
+        pending = reduce_grads(unit.flat, async_op=True)
         for p in unit.flat.params:
             p.grad = None
         if self.shard_parameters and unit.module is not None:
@@ -305,8 +306,8 @@ class FullyShardedDataParallel(nn.Module):
                 yield prefix + name, piece
 
     def flat_params(self) -> list[FlatParams]:
-        """The units' flat buffers: the blocks', the root's, then the replicated one (its
-        ``numel`` a :class:`~distlab.zero.flat.Replicated`)."""
+        """The units' flat buffers: the blocks', the root's, then the replicated one
+        (``replicated`` true)."""
         return [unit.flat for unit in self._units]
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
