@@ -458,6 +458,42 @@ def test_vectors_stay_replicated_with_their_shape_and_gradient():
             assert len(shape0) == len(shape1) == 1 and shape0[0] + shape1[0] == p.numel(), name
 
 
+def _embedding_norm_linear():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 4))
+
+
+def _module_grads(stage3):
+    """One backward of the Embedding-LayerNorm-Linear model wrapped in ZeRO-3 on this
+    rank's half of the batch: the gradient of every parameter ``wrapper.module`` shows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapper = FullyShardedDataParallel(_embedding_norm_linear(), shard_parameters=stage3)
+    tokens = torch.arange(8).remainder(11).view(4, 2).tensor_split(world)[rank]
+    wrapper(tokens).pow(2).mean().backward()
+    wrapper.finish_gradient_synchronization()
+    return {n: None if p.grad is None else p.grad.clone()
+            for n, p in wrapper.module.named_parameters()}
+
+
+def test_every_parameter_the_module_shows_carries_its_averaged_gradient():
+    """After finish_gradient_synchronization(), ``wrapper.module.named_parameters()`` is
+    what an optimizer or a user iterating the model sees: the norm's weight and bias and
+    the linear bias, kept whole on every rank, carry the averaged gradient there too (an
+    Embedding-LayerNorm-Linear model on 2 ranks, against one process)."""
+    model = _embedding_norm_linear()
+    tokens = torch.arange(8).remainder(11).view(4, 2)
+    halves = [model(t).pow(2).mean() for t in tokens.tensor_split(2)]
+    (sum(halves) / 2).backward()
+    want = dict(model.named_parameters())
+    for rank, grads in enumerate(launch.run(_module_grads, 2, True, backend="gloo",
+                                            timeout=60)):
+        assert set(grads) == set(want), (rank, sorted(grads))
+        for name, grad in grads.items():
+            assert grad is not None, f"rank {rank}: wrapper.module's {name} has no gradient"
+            if want[name].dim() <= 1:            # kept whole: the whole averaged gradient
+                torch.testing.assert_close(grad, want[name].grad, msg=f"rank {rank}: {name}")
+
+
 # ------------------------------------------------------------------------ memory
 
 
