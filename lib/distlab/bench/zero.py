@@ -204,8 +204,7 @@ def memory_section(cfg, batch: int, seq: int, steps: int) -> dict:
         with memory.meter(device) as meter:
             baseline = meter.allocated()
             net, opt = _wrap(strategy, _model(cfg, device), solo)
-            units, whole = memory.units_of(
-                (net if hasattr(net, "flat_params") else opt).flat_params())
+            units, whole = memory.units_of((opt, net)[hasattr(net, "flat_params")].flat_params())
             for _ in range(2):                      # warm-up: the optimizer's lazy state
                 _train_step(net, opt, tokens)
             runs = [_measured_step(net, opt, tokens, meter) for _ in range(steps)]
