@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import launch
-from distlab.bench import alphabeta
+from distlab import alphabeta
 from distlab.bench import collectives as bench
 from distlab.bench import timing
 from distlab.comm import bus_factor

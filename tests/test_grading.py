@@ -161,7 +161,8 @@ def test_every_hint_the_kit_points_to_exists():
                       for t in declared if t not in tests]
             wrong += [f"{name}: HINTS points {t} to Hint {n}; the notebook has "
                       f"{sorted(titles) or 'no hints'} above the exercise"
-                      for t, n in declared.items() if n not in titles]
+                      for t, v in declared.items()
+                      for n in (v.values() if isinstance(v, dict) else [v]) if n not in titles]
     assert not wrong, "\n".join(wrong)
 
 

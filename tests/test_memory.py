@@ -45,6 +45,18 @@ def test_accounting_follows_each_units_uneven_shards():
     assert dp.total == 16 * 17
 
 
+def test_accounting_counts_the_units_kept_whole_on_every_rank():
+    """5 elements kept whole (norms, biases) beside units of 10 and 7 over 4 ranks: at
+    stage 3 every rank holds their weights, and their fp32 gradient, master and moments
+    whole, on top of its shards."""
+    for rank, shard in enumerate([5, 5, 4, 3]):
+        got = memory.accounting([10, 7], 4, rank, 3, whole=5)
+        assert (got.params, got.grads, got.master, got.optimizer) == (
+            2 * 5, 4 * (shard + 5), 4 * (shard + 5), 8 * (shard + 5)), rank
+        assert memory.step_buffers([10, 7], 4, rank, 3, whole=5) == 4 * (shard + 5)
+    assert memory.accounting([10, 7], 4, 0, 2, whole=5).params == 2 * 22
+
+
 def test_live_bytes_counts_each_storage_once():
     flat = torch.zeros(12)
     a, b = flat[:4], flat[4:]                        # two views of one storage

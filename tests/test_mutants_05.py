@@ -51,6 +51,20 @@ FLOOR = ((
     "                    rows[r, :len(piece)] = piece\n",
     "                rows = grad[:world * chunk].reshape(world, chunk)\n"))
 
+ASSIGNED = ((
+    "            if self.shard.grad is None:\n                self.shard.grad = mean\n"
+    "            else:\n                self.shard.grad += mean\n",
+    "            self.shard.grad = mean\n"),)
+
+# the trial's first failure (issue 32): views of the full buffer built before it is gathered,
+# on a storage of 0 bytes: torch raises "setStorage ... out of bounds" in the student's line
+VIEWS_FIRST = ((
+    "            gather()\n            for owner, attr, offset, shape in slots:\n"
+    "                setattr(owner, attr, full[offset:offset + shape.numel()].view(shape))\n",
+    "            for owner, attr, offset, shape in slots:\n"
+    "                setattr(owner, attr, full[offset:offset + shape.numel()].view(shape))\n"
+    "            gather()\n"),)
+
 # (mutant, its change, what the student must read, the test that must be the first to fail)
 MUTANTS = [
     ("the full parameters kept after forward", NOT_FREED,
@@ -64,6 +78,9 @@ MUTANTS = [
      "a reduce-scatter (half an all-reduce's traffic) belongs there", "test_three_psi"),
     ("shards of numel // world_size", FLOOR,
      "uneven shards lost", "test_keeps_only_this_ranks_shard"),
+    ("a second backward's gradient assigned, not added", ASSIGNED,
+     "the second backward replaced the first one's gradient",
+     "test_the_shard_gradient_is_the_mean_gradient"),
 ]
 
 
@@ -72,7 +89,8 @@ def verdicts(tmp_path_factory):
     """Every mutant graded, one after the other, each up to its first failing check
     (each run is its own contained pytest process)."""
     return grade_mutants(tmp_path_factory.mktemp("mutants"), "05_zero", EXERCISE,
-                         {name: change for name, change, *_ in MUTANTS})
+                         {**{name: change for name, change, *_ in MUTANTS},
+                          "views before the gather": VIEWS_FIRST})
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
@@ -82,6 +100,18 @@ def test_a_wrong_zero3_unit_fails_naming_its_mistake(verdicts, name, says, first
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
     assert says in r.message, (name, r.message)
     assert r.message.startswith(first), (name, r.message)
+
+
+def test_the_students_own_exception_names_their_line_and_no_hint(verdicts):
+    """The trial's first failure: the student's own exception inside their code gets no
+    hint pointer, and the report names the student's line in the ZeRO3Unit cell (not
+    torch's frame)."""
+    r = verdicts["views before the gather"]
+    assert r.verdict in ("partial", "fail") and r.points < r.max_points, r
+    assert "your code raised RuntimeError: setStorage" in r.message, r.message
+    assert "of the ZeRO3Unit cell, in before_forward: setattr(owner, attr, full[offset" in \
+        r.message, r.message
+    assert "torch/" not in r.message and r.hint == "", (r.message, r.hint)
 
 
 REFUSED = """

@@ -36,6 +36,13 @@ FLOOR = ((
     "    start = sum(sizes[:rank])", "    start = rank * per"), (
     "(local >= sizes[rank])", "(local >= per)"))
 
+MEAN_OF_MAXIMA = (("    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)\n",
+                   "    dist.all_reduce(peak, group=group)\n"
+                   "    peak /= dist.get_world_size(group)\n"),)
+
+SUMMED = (("    return (sum_exp.log() - picked).mean()\n",
+           "    return (sum_exp.log() - picked).sum()\n"),)
+
 MAX_IN_GRAPH = (("peak = logits.detach().amax(dim=-1)", "peak = logits.amax(dim=-1)"),)
 
 # (mutant, its change, what the student must read, the test that must be the first to fail)
@@ -51,6 +58,11 @@ MUTANTS = [
      "the sum of the exponentials is this rank's only",
      "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
     ("shards of vocab_size // t", FLOOR, "r * (vocab_size // t)",
+     "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
+    ("the mean of the ranks' maxima as the shift", MEAN_OF_MAXIMA,
+     "the shift of the exponent is below the largest logit",
+     "test_one_wide_logit_does_not_overflow"),
+    ("the sum over the tokens, not the mean", SUMMED, "is the SUM over the tokens",
      "test_the_loss_equals_cross_entropy_of_the_whole_logits"),
     ("the max kept in autograd's graph", MAX_IN_GRAPH,
      "the max went through dist.all_reduce inside autograd's graph",

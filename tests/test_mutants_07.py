@@ -47,6 +47,23 @@ MUTANTS = {
     # every receive buffer B // m rows: wrong when m does not divide the batch
     "floor_rows": [("received[kind, i] = torch.empty(rows[i], seq,",
                     "received[kind, i] = torch.empty(batch // m, seq,")],
+    # receive buffers in torch.empty's default dtype: float32 where messages are float64
+    "float32_buffers": [("stage.d_model, device=device, dtype=dtype)",
+                         "stage.d_model, device=device)")],
+    # zeros handed to every parameter no backward reached, where one process leaves None
+    "zeros_left": [("    return total if s == p - 1 else None",
+                    "    for param in stage.parameters():\n"
+                    "        if param.requires_grad and param.grad is None:\n"
+                    "            param.grad = torch.zeros_like(param)\n"
+                    "    return total if s == p - 1 else None")],
+    # the batch checked only once the links are open: both stages have sent and received
+    "late_errors": [("    if m < 1 or batch < m:\n"
+                     "        raise ValueError(f\"a batch of {batch} rows cannot make {m} micro-batches\")\n",
+                     ""),
+                    ("    received = {}\n",
+                     "    if m < 1 or batch < m:\n"
+                     "        raise ValueError(f\"a batch of {batch} rows cannot make {m} micro-batches\")\n"
+                     "    received = {}\n")],
 }
 
 # name -> (verdict, what its first failing check must say)
@@ -58,21 +75,36 @@ EXPECTED = {
                           "saved under i"]),
     "untied": ("fail", ["tied to the token embedding", "stage 0's tok_emb.weight",
                            "stage 1's head.weight"]),
-    "floor_rows": ("partial", ["test_micro_batches_of_unequal_sizes", "larger than the buffer",
-                               "3, 2, 2 rows"]),
+    "floor_rows": ("partial", ["test_micro_batches_of_unequal_sizes", "another size than the "
+                               "buffer", "3, 2, 2 rows"]),
+    "float32_buffers": ("fail", ["test_gpipe_on_2_stages", "the likely cause is a receive buffer "
+                                 "of another dtype", "dtype="]),
+    "zeros_left": ("fail", ["test_gpipe_on_2_stages", "of zeros where one process leaves "
+                               ".grad None", "blocks.1.unused"]),
+    "late_errors": ("partial", ["test_a_batch_smaller_than_m_raises_value_error",
+                                "raised ValueError after", "before any transfer"]),
 }
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return grade_mutants(tmp_path_factory.mktemp("mutants_07"), LAB, NAME, MUTANTS)
+    """Mutant name -> its grade, each graded when a test first asks for it (so that
+    ``-k`` runs only the mutants it selects)."""
+    folder, graded = tmp_path_factory.mktemp("mutants_07"), {}
+
+    def grade(name):
+        if name not in graded:
+            (folder / name).mkdir()
+            graded[name] = grade_mutants(folder / name, LAB, NAME, {name: MUTANTS[name]})[name]
+        return graded[name]
+    return grade
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    assert_named(results[name], name, NAME, 11, *EXPECTED[name])
+    assert_named(results(name), name, NAME, 11, *EXPECTED[name])
 
 
 def test_the_deadlock_is_reported_within_a_launch_timeout(results):
-    r = results["separate_groups"]
+    r = results("separate_groups")
     assert r.seconds < 120, f"the deadlocking answer took {r.seconds:.0f} s to grade"

@@ -16,7 +16,8 @@ from distlab.bench import trace
 from distlab.comm import CommLog
 from distlab.dp import DataParallel
 from distlab.model import GPT, config
-from distlab.bench.trace import Span, Timeline
+from distlab import timeline
+from distlab.timeline import Span, Timeline
 from distlab.viz.timeline import TimelinePicker, plot_step_times, plot_timeline, timelines_figure
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -25,12 +26,12 @@ CFG = config("test", vocab_size=13)
 
 
 def test_union_and_hidden_fraction():
-    assert trace.union([(3, 4), (0, 1), (0.5, 2), (4, 5)]) == [(0, 2), (3, 5)]
-    assert trace.covered((1, 4), [(0, 2), (3, 10)]) == 2
-    assert trace.hidden_fraction([(0, 2)], [(1, 5)]) == 0.5
-    assert trace.hidden_fraction([(0, 2), (1, 3)], [(0, 3)]) == 1.0  # overlapping comm counts once
-    assert trace.hidden_fraction([(0, 1)], []) == 0.0
-    assert math.isnan(trace.hidden_fraction([], [(0, 1)]))
+    assert timeline.union([(3, 4), (0, 1), (0.5, 2), (4, 5)]) == [(0, 2), (3, 5)]
+    assert timeline.covered((1, 4), [(0, 2), (3, 10)]) == 2
+    assert timeline.hidden_fraction([(0, 2)], [(1, 5)]) == 0.5
+    assert timeline.hidden_fraction([(0, 2), (1, 3)], [(0, 3)]) == 1.0  # overlapping comm counts once
+    assert timeline.hidden_fraction([(0, 1)], []) == 0.0
+    assert math.isnan(timeline.hidden_fraction([], [(0, 1)]))
 
 
 def synthetic():
@@ -147,3 +148,22 @@ def test_profile_exports_a_chrome_trace(tmp_path, capfd):
     with gzip.open(tmp_path / "p.json.gz") as f:
         json.load(f)
     assert "USDT" not in capfd.readouterr().err, "Kineto's start/stop markers reached stderr"
+
+
+def test_the_plots_and_the_trainer_import_no_bench():
+    """What :mod:`distlab.viz` and :mod:`distlab.train` need from measurements (the
+    timeline's data, the alpha-beta fit, a device's peak) lives below both: neither
+    imports a :mod:`distlab.bench` module, at the top or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import distlab
+
+    root = Path(distlab.__file__).parent
+    found = []
+    for path in sorted(root.glob("viz/*.py")) + [root / "train.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{path.name}: {n}" for n in names if n.startswith("distlab.bench")]
+    assert not found, found

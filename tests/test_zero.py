@@ -126,7 +126,7 @@ def bf16_bytes(kind, group, solo):
         measured = {"states": tracker.allocated()}
         tracker.reset_peak()
         held = memory.held_bytes(net, opt).as_dict()
-        units = [f.numel for f in (net if hasattr(net, "flat_params") else opt).flat_params()]
+        units = memory.units_of((net if hasattr(net, "flat_params") else opt).flat_params())
         opt.step()
         measured["step"] = tracker.peak() - measured["states"]
         params = len(list(model.parameters()))
@@ -458,6 +458,42 @@ def test_vectors_stay_replicated_with_their_shape_and_gradient():
             assert len(shape0) == len(shape1) == 1 and shape0[0] + shape1[0] == p.numel(), name
 
 
+def _embedding_norm_linear():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Embedding(11, 6), nn.LayerNorm(6), nn.Linear(6, 4))
+
+
+def _module_grads(stage3):
+    """One backward of the Embedding-LayerNorm-Linear model wrapped in ZeRO-3 on this
+    rank's half of the batch: the gradient of every parameter ``wrapper.module`` shows."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapper = FullyShardedDataParallel(_embedding_norm_linear(), shard_parameters=stage3)
+    tokens = torch.arange(8).remainder(11).view(4, 2).tensor_split(world)[rank]
+    wrapper(tokens).pow(2).mean().backward()
+    wrapper.finish_gradient_synchronization()
+    return {n: None if p.grad is None else p.grad.clone()
+            for n, p in wrapper.module.named_parameters()}
+
+
+def test_every_parameter_the_module_shows_carries_its_averaged_gradient():
+    """After finish_gradient_synchronization(), ``wrapper.module.named_parameters()`` is
+    what an optimizer or a user iterating the model sees: the norm's weight and bias and
+    the linear bias, kept whole on every rank, carry the averaged gradient there too (an
+    Embedding-LayerNorm-Linear model on 2 ranks, against one process)."""
+    model = _embedding_norm_linear()
+    tokens = torch.arange(8).remainder(11).view(4, 2)
+    halves = [model(t).pow(2).mean() for t in tokens.tensor_split(2)]
+    (sum(halves) / 2).backward()
+    want = dict(model.named_parameters())
+    for rank, grads in enumerate(launch.run(_module_grads, 2, True, backend="gloo",
+                                            timeout=60)):
+        assert set(grads) == set(want), (rank, sorted(grads))
+        for name, grad in grads.items():
+            assert grad is not None, f"rank {rank}: wrapper.module's {name} has no gradient"
+            if want[name].dim() <= 1:            # kept whole: the whole averaged gradient
+                torch.testing.assert_close(grad, want[name].grad, msg=f"rank {rank}: {name}")
+
+
 # ------------------------------------------------------------------------ memory
 
 
@@ -471,12 +507,14 @@ def test_each_rank_holds_what_the_accounting_says(world):
         for kind, (held, units, measured, params) in r["bytes"].items():
             stage = int(kind[-1])
             where = f"{kind}, rank {rank} of {world}"
-            want = memory.accounting(units, 1 if stage == 0 else world, 0 if stage == 0
-                                     else rank, stage).as_dict()
+            (sharded, whole) = units
+            want = memory.accounting(sharded, 1 if stage == 0 else world, 0 if stage == 0
+                                     else rank, stage, whole).as_dict()
             assert held == want, f"{where}: {held} != {want}"
             flags = 2 * params if stage == 0 else 0   # DataParallel's flag per parameter
             assert measured["states"] == want["total"] + flags, where
-            assert measured["step"] == memory.step_buffers(units, world, rank, stage), where
+            assert measured["step"] == memory.step_buffers(sharded, world, rank, stage,
+                                                           whole), where
             assert measured["left"] == 0, f"{where}: {measured['left']} bytes outlive it"
 
 

@@ -2,6 +2,7 @@
 
 NCCL (NVIDIA) and RCCL (AMD, in ROCm builds of torch) both appear to PyTorch as the
 backend named ``"nccl"``; gloo runs the same collectives between CPU processes.
+:func:`peak_flops` gives a device's dense peak throughput, for MFU.
 """
 from __future__ import annotations
 
@@ -12,6 +13,34 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("auto", "nccl", "rccl", "gloo")
+
+# Dense BF16/FP16 tensor-core peak, TFLOP/s, by a substring of the device name (the
+# first that matches wins, so more specific names come first). Sources: NVIDIA A100,
+# H100 and H200 datasheets (SXM parts; "with sparsity" halved), NVIDIA's H800 has the
+# H100 SXM's compute (it differs in NVLink and FP64); AMD Instinct MI250X/MI300X specs.
+PEAK_TFLOPS_BF16 = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.5),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("GH200", 989.4),
+    ("A100", 312.0),
+    ("MI300X", 1307.4),
+    ("MI325X", 1307.4),
+    ("MI250X", 383.0),
+)
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of a device for ``dtype`` ("bf16", "fp16"), or None if unknown
+    (fp32, CPUs, devices missing from the table)."""
+    if dtype not in ("bf16", "fp16"):
+        return None
+    for key, tflops in PEAK_TFLOPS_BF16:
+        if key.lower() in device_name.lower():
+            return tflops * 1e12
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

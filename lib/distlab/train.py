@@ -348,7 +348,7 @@ def train(model: str = "test", dp: int = 1, tp: int = 1, pp: int = 1, steps: int
     (None where :func:`distlab.bench.throughput.peak_flops` knows no peak: CPUs, fp32);
     rank 0 prints them and drives a progress bar."""
     from distlab import launch
-    from distlab.bench.throughput import peak_flops
+    from distlab.backend import peak_flops
     from distlab.data import NGramLanguage
     from distlab.mesh import Mesh
     from distlab.model import config

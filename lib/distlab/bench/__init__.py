@@ -10,5 +10,8 @@
   tensor parallelism, pipelines and overlap against torch's own.
 
 Shared pieces: :mod:`~distlab.bench.timing` (how every bench times), :mod:`~distlab.bench.trace`
-(timelines and profiler traces), :mod:`~distlab.bench.alphabeta` (the latency-bandwidth fit).
+(profiler traces and step recordings). What the plots need lives below both
+(:mod:`distlab.timeline`, :mod:`distlab.alphabeta`, :func:`distlab.backend.peak_flops`):
+:mod:`distlab.viz` and :mod:`distlab.train` never import a bench.
 """
+from distlab import alphabeta  # noqa: F401  (distlab.bench.alphabeta, as lab 01 imports it)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import backend, comm, launch
-from distlab.bench.alphabeta import fits
+from distlab.alphabeta import fits
 from distlab.bench.timing import time_each, time_runs
 
 

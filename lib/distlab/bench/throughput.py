@@ -10,9 +10,9 @@ FLOPs the step performs, ``flops_per_token × tokens/s`` (``6N + 12 L d T``, see
 :meth:`distlab.model.GPT.flops_per_token`), over the device's peak dense throughput
 for the dtype; recomputation and padding do not count as model FLOPs.
 
-Peak figures are dense (no 2:4 sparsity) tensor-core throughput from the vendors'
-datasheets; NVIDIA quotes "with sparsity" figures, twice the dense ones. MFU is reported
-only where the table knows the device and dtype (not on CPUs).
+Peak figures (:func:`distlab.backend.peak_flops`) are dense (no 2:4 sparsity)
+tensor-core throughput from the vendors' datasheets. MFU is reported only where the
+table knows the device and dtype (not on CPUs).
 """
 from __future__ import annotations
 
@@ -23,36 +23,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from distlab.backend import peak_flops
 from distlab.bench.timing import per_call
 
-# Dense BF16/FP16 tensor-core peak, TFLOP/s, by a substring of the device name (the
-# first that matches wins, so more specific names come first). Sources: NVIDIA A100,
-# H100 and H200 datasheets (SXM parts; "with sparsity" halved), NVIDIA's H800 has the
-# H100 SXM's compute (it differs in NVLink and FP64); AMD Instinct MI250X/MI300X specs.
-PEAK_TFLOPS_BF16 = (
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.5),
-    ("H100", 989.4),
-    ("H200", 989.4),
-    ("H800", 989.4),
-    ("GH200", 989.4),
-    ("A100", 312.0),
-    ("MI300X", 1307.4),
-    ("MI325X", 1307.4),
-    ("MI250X", 383.0),
-)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def peak_flops(device_name: str, dtype: str) -> float | None:
-    """Peak dense FLOP/s of a device for ``dtype`` ("bf16", "fp16"), or None if unknown
-    (fp32, CPUs, devices missing from the table)."""
-    if dtype not in ("bf16", "fp16"):
-        return None
-    for key, tflops in PEAK_TFLOPS_BF16:
-        if key.lower() in device_name.lower():
-            return tflops * 1e12
-    return None
 
 
 @dataclasses.dataclass

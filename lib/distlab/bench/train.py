@@ -28,7 +28,7 @@ slowest rank's), so that a drifting machine slows both alike; the ratio is the m
 of the rounds' ours / torch's. tokens/s is the global batch's tokens over the median
 step; MFU is the model FLOPs per token (``6N + 12LdT``, PaLM's appendix B:
 :meth:`distlab.model.GPT.flops_per_token`) times tokens/s over the peak of every GPU
-(:func:`distlab.bench.throughput.peak_flops`; none on CPUs). Where torch's side cannot
+(:func:`distlab.backend.peak_flops`; none on CPUs). Where torch's side cannot
 run (an API torch lacks on this backend), its row says why; on gloo CPUs with torch
 2.13 all three run. Prints a table, writes ``train_bench.json`` to ``--out``; on NCCL
 it exits 1 when a row misses: our step above :data:`GOAL` times torch's, torch's side
@@ -177,7 +177,7 @@ def measure(cfg, layouts, batch_size: int, seq_len: int, precision: str,
 def summarise(rows: list[dict], link: str, cfg, batch_size: int, seq_len: int,
               precision: str, device_name: str, world: int) -> list[dict]:
     """Each launch's row with its figures: median step times, tokens/s, MFU, ratio."""
-    from distlab.bench.throughput import peak_flops
+    from distlab.backend import peak_flops
     from distlab.model import GPT
 
     with torch.device("meta"):

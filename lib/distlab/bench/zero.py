@@ -204,7 +204,7 @@ def memory_section(cfg, batch: int, seq: int, steps: int) -> dict:
         with memory.meter(device) as meter:
             baseline = meter.allocated()
             net, opt = _wrap(strategy, _model(cfg, device), solo)
-            units = [f.numel for f in (net if hasattr(net, "flat_params") else opt).flat_params()]
+            units, whole = memory.units_of((opt, net)[hasattr(net, "flat_params")].flat_params())
             for _ in range(2):                      # warm-up: the optimizer's lazy state
                 _train_step(net, opt, tokens)
             runs = [_measured_step(net, opt, tokens, meter) for _ in range(steps)]
@@ -212,15 +212,15 @@ def memory_section(cfg, batch: int, seq: int, steps: int) -> dict:
             _release(device)
             left = meter.settle(baseline) - baseline
         account = memory.accounting(units, 1 if stage == 0 else world,
-                                    0 if stage == 0 else rank, stage).as_dict()
-        step_account = memory.step_buffers(units, world, rank, stage)
+                                    0 if stage == 0 else rank, stage, whole).as_dict()
+        step_account = memory.step_buffers(units, world, rank, stage, whole)
         states = max(r["end_of_backward"] for r in runs) - baseline
         backward = max(r["backward_peak"] - r["start"] for r in runs)
         step = max(r["step_peak"] - r["end_of_backward"] for r in runs)
         peak = max(max(r["backward_peak"], r["step_peak"]) for r in runs) - baseline
         transient = max(out["activations"], step_account)
         out[strategy] = {
-            "units": units, "held": runs[-1]["held"], "accounting": account,
+            "units": units, "whole": whole, "held": runs[-1]["held"], "accounting": account,
             "baseline": baseline, "states": states,
             "states error": states / account["total"] - 1,
             "backward transient": backward,

@@ -31,9 +31,8 @@ _RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ri
          "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
 _SCHEDULES = ("distlab.pp.schedule:gpipe_schedule", "distlab.pp.schedule:one_f_one_b_schedule",
               "distlab.pp.schedule:bubble_fraction", "distlab.pp.schedule:build_schedule")
-_DP = ("distlab.dp.data_parallel:DataParallel", "distlab.dp.data_parallel:_Bucket",
-       "distlab.dp.data_parallel:OneShotDataParallel",
-       "distlab.dp.data_parallel:allreduce_gradients")
+_DP = ("distlab.reference.dp:DataParallel", "distlab.reference.dp:_Bucket",
+       "distlab.reference.dp:OneShotDataParallel", "distlab.reference.dp:allreduce_gradients")
 
 # "module:name" of the library code that answers each exercise. all_reduce_mean has none
 # (the library has no mean all-reduce). bus_factor answers bus_bandwidth: lab 01 asks for
@@ -47,19 +46,21 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "ring_all_gather": _RING,
     "ring_allreduce": _RING,
     "allreduce_gradients": _DP,
-    "zero_bytes_per_rank": ("distlab.zero.memory:zero_bytes",),
-    "shard_range": ("distlab.shards:shard_range", "distlab.shards:shard_sizes"),
-    "zero2_step": ("distlab.zero.step:zero2_step", "distlab.zero.step:adamw_",
-                   "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards"),
+    "zero_bytes_per_rank": ("distlab.reference.memory:zero_bytes",),
+    "shard_range": ("distlab.reference.shards:shard_range", "distlab.reference.shards:shard_sizes"),
+    "zero2_step": ("distlab.reference.zero:zero2_step", "distlab.reference.zero:adamw_",
+                   "distlab.reference.zero:reduce_scatter_mean",
+                   "distlab.reference.zero:all_gather_shards"),
     "ZeRO3Unit": ("distlab.zero.fsdp:_Unit", "distlab.zero.fsdp:FullyShardedDataParallel",
-                  "distlab.zero.flat:FlatParams", "distlab.zero.flat:Layout",
-                  "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards"),
+                  "distlab.reference.zero:FlatParams", "distlab.reference.zero:Layout",
+                  "distlab.reference.zero:reduce_scatter_mean",
+                  "distlab.reference.zero:all_gather_shards"),
     "ColumnParallelLinear": ("distlab.tp.layers:ColumnParallelLinear",
                              "distlab.tp.layers:RowParallelLinear"),
     "RowParallelLinear": ("distlab.tp.layers:ColumnParallelLinear",
                           "distlab.tp.layers:RowParallelLinear"),
     # the embedding's forward is the masked lookup and sum the loss needs for the target's logit
-    "vocab_parallel_cross_entropy": ("distlab.tp.layers:vocab_parallel_cross_entropy",
+    "vocab_parallel_cross_entropy": ("distlab.reference.tp:vocab_parallel_cross_entropy",
                                      "distlab.tp.layers:VocabParallelEmbedding"),
     "gpipe_schedule": _SCHEDULES,
     "one_f_one_b_schedule": _SCHEDULES,

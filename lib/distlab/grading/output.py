@@ -1,12 +1,70 @@
 """What the grader prints and writes: every student-controlled string escaped
 (:func:`shown`), the report table with each exercise's hint and self-reported points
-(:func:`table`), where the traffic evidence comes from (:func:`traffic_evidence`), and
-the JSON written without following a planted link (:func:`write_report`)."""
+(:func:`table`), where the traffic evidence comes from (:func:`traffic_evidence`), the
+student's own line in a rank's traceback (:func:`student_line`), and the JSON written
+without following a planted link (:func:`write_report`)."""
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 from pathlib import Path
+
+RAISED = "your code raised "   # how a message from the student's own exception starts
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<fn>.+?)\s*$')
+_CELL = re.compile(r"^# --- exercise (\w+)$")
+
+
+# gloo's words when a call names a rank that is not its peer in the group
+_GLOO_PEER = ("Pair is not connected", "invalid tensor size")
+PEER_MIXUP = ("gloo says this when a call names the wrong peer: a rank of the group passed "
+              "where torch.distributed expects a global rank (send/recv's dst/src, "
+              "broadcast's src), or the reverse; dist.get_global_rank(group, r) converts")
+
+
+def rank_error(exc) -> str:
+    """The first message of a rank's exception (a :class:`distlab.launch.RankError`): the
+    exception, and where the student's code raised it ("rank 1: your code raised
+    RuntimeError: ... (line 12 of the ZeRO3Unit cell, in gather: ...)"), or, when no frame
+    is the student's, the deepest frame; gloo's raw peer errors explained."""
+    first = str(exc).splitlines()[0]
+    if exc.exc_type == "AssertionError":
+        return first
+    mine = student_line(exc.remote_traceback)
+    if mine:
+        rank, _, rest = first.partition(" raised ")
+        text = f"{rank}: {RAISED}{rest} ({mine})"
+    else:
+        tb = exc.remote_traceback.strip().splitlines()
+        place = next((line.strip() for line in reversed(tb) if line.strip().startswith("File")), "")
+        text = f"{first} ({place})" if place else first
+    return text + (f"; {PEER_MIXUP}" if any(s in str(exc) for s in _GLOO_PEER) else "")
+
+
+def student_line(traceback_text: str) -> str:
+    """Where the student's code raised: the deepest frame of ``traceback_text`` in the
+    student's module (``student_*.py``, which the grader writes from the notebook's
+    exercise cells, :func:`distlab.grading.notebook.module_source`), as "line 12 of the
+    ZeRO3Unit cell, in before_forward: <code>" (the module's line where its file cannot
+    be read); "" when no frame is the student's (a torch frame is never named)."""
+    lines = traceback_text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        m = _FRAME.match(lines[i])
+        if not m or not os.path.basename(m["file"]).startswith("student_"):
+            continue
+        number = int(m["line"])
+        code = lines[i + 1].strip() if i + 1 < len(lines) and not _FRAME.match(lines[i + 1]) \
+            else ""
+        where = f"line {number} of your exercise cells"
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            source = Path(m["file"]).read_text().splitlines()[:number]
+            for at in range(len(source) - 1, -1, -1):
+                cell = _CELL.match(source[at])
+                if cell:
+                    where = f"line {number - at - 1} of the {cell[1]} cell"
+                    break
+        return f"{where}, in {m['fn']}" + (f": {code}" if code else "")
+    return ""
 
 
 def shown(text: str) -> str:

@@ -63,10 +63,9 @@ def _verdict_of(exc) -> tuple[str, str]:
             isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
         return "not attempted", "not implemented yet (raise NotImplementedError)"
     if isinstance(exc, RankError):
-        tb = exc.remote_traceback.strip().splitlines()
-        place = next((line.strip() for line in reversed(tb) if line.strip().startswith("File")), "")
-        message = str(exc).splitlines()[0]
-        return "error", f"{message} ({place})" if place and exc.exc_type != "AssertionError" else message
+        from distlab.grading import output
+
+        return "error", output.rank_error(exc)
     if isinstance(exc, RankCrashed):
         first, *rest = str(exc).splitlines()
         hint = rest[0] if rest and rest[0].startswith("An abort") else ""

@@ -314,7 +314,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
             results.append(_summarise(name, tests, seconds / max(attempted, 1)))
             if results[-1].failed_test:
                 results[-1].hint = hints.pointer(hints.declared(files[name]), hints.titles(
-                    nb, name), results[-1].failed_test, name)
+                    nb, name), results[-1].failed_test, name, results[-1].message)
     for name in foreign:
         owner = next((other for other, names in every.items() if name in names), None)
         results.append(Result(name, 0, 0, "ignored", (

@@ -19,7 +19,8 @@ A block therefore costs 2 all-reduces of ``b·s·h`` elements forward and 2 back
 :func:`tensor_parallel` applies this to an unmodified :class:`distlab.model.GPT` by
 replacing its submodules, as torchtitan does; the model's code knows nothing of it.
 Options: a vocabulary-parallel embedding and cross-entropy (Megatron's, three all-reduces
-of ``b·s`` floats instead of gathering ``b·s·V`` logits) and sequence parallelism
+of ``b·s`` floats instead of gathering ``b·s·V`` logits; the loss, lab 06's exercise, is
+:func:`distlab.reference.tp.vocab_parallel_cross_entropy`) and sequence parallelism
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models": LayerNorms and residuals on a slice of the sequence, an all-gather and a
 reduce-scatter in place of each all-reduce).
@@ -32,8 +33,7 @@ Attention heads cannot be split, so the head count must be a multiple of ``t``.
 - :mod:`~distlab.tp.parallelize`: the whole model, and torch's DTensor version beside it.
 """
 from distlab.shards import shard_sizes
-from distlab.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                               vocab_parallel_cross_entropy)
+from distlab.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from distlab.tp.ops import (all_gather_along, compute_dtype, copy_to_group, gather_from_group,
                             gather_sequence, reduce_from_group, reduce_scatter_sequence,
                             split_sequence)
@@ -44,7 +44,7 @@ from distlab.tp.parallelize import (ParallelSelfAttention, allreduce_bytes_per_l
                                     tensor_parallel)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "vocab_parallel_cross_entropy", "all_gather_along", "compute_dtype", "copy_to_group",
+           "all_gather_along", "compute_dtype", "copy_to_group",
            "gather_from_group", "gather_sequence", "reduce_from_group", "reduce_scatter_sequence",
            "split_sequence", "ParallelSelfAttention", "allreduce_bytes_per_layer",
            "allreduce_sequence_parallel_grads", "dtensor_param_groups", "full_grads",

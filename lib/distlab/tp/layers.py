@@ -1,5 +1,6 @@
 """The tensor-parallel layers (Megatron-LM, section 3): column- and row-parallel linear
-layers, the vocabulary-parallel embedding and its cross-entropy. Each keeps this rank's
+layers and the vocabulary-parallel embedding (its cross-entropy, lab 06's exercise, is in
+:mod:`distlab.reference.tp`). Each keeps this rank's
 ``torch.tensor_split`` shard of a full layer it is built from."""
 from __future__ import annotations
 
@@ -172,31 +173,3 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} tokens, this rank: {self.start}..."
                 f"{self.start + self.weight.shape[0] - 1}, dim {self.weight.shape[1]}")
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                                 group=None) -> torch.Tensor:
-    """Mean cross-entropy from this rank's slice of the logits over a vocabulary of
-    ``vocab_size`` tokens (the output of a column-parallel head), without gathering them
-    (Megatron's algorithm).
-
-    Three all-reduces of one float per token: the largest logit (for a stable
-    log-sum-exp), the target's logit (held by one rank, zero on the others) and the sum
-    of the exponentials. Gathering the logits would move ``b·s·V`` elements. Backward
-    needs no collective: each rank's logits get ``softmax - one_hot`` on its own slice."""
-    sizes = shard_sizes(vocab_size, dist.get_world_size(group))
-    rank = dist.get_rank(group)
-    if logits.shape[-1] != sizes[rank]:
-        raise ValueError(f"rank {rank} holds {sizes[rank]} of the {vocab_size} logits, got "
-                         f"{logits.shape[-1]}; pass the output of the column-parallel head")
-    start = sum(sizes[:rank])
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    peak = logits.detach().amax(dim=-1)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - peak.unsqueeze(-1)
-    local = targets - start
-    outside = (local < 0) | (local >= sizes[rank])
-    picked = shifted.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)
-    picked = reduce_from_group(picked.masked_fill(outside, 0.0), group)
-    sum_exp = reduce_from_group(shifted.exp().sum(-1), group)
-    return (sum_exp.log() - picked).mean()

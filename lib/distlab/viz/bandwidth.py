@@ -1,5 +1,5 @@
 """Plots of measured bandwidth: busbw and time per op against message size (with the
-alpha-beta fit, :mod:`distlab.bench.alphabeta`), and the time of a training step against the
+alpha-beta fit, :mod:`distlab.alphabeta`), and the time of a training step against the
 number of ranks (lab 02). matplotlib is imported where a figure is drawn."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _label(nbytes: float) -> str:
 def plot_busbw(rows, fits=None, title: str = "", ax=None, logy: bool = True):
     """busbw (GB/s) against size, both on log scales (``logy=False`` for a linear
     y-axis), one line per op; dashed: the alpha-beta fit of each op
-    (``distlab.bench.alphabeta.fits(rows)`` when ``fits`` is None). On log-log axes the latency
+    (``distlab.alphabeta.fits(rows)`` when ``fits`` is None). On log-log axes the latency
     regime is a straight line of slope 1 (busbw grows with the size) and the bandwidth
     regime a plateau."""
     def fitted(fit, size, first):
@@ -57,7 +57,7 @@ def _per_op(rows, fits, ax, value, fitted, ylabel: str, title: str, logy: bool,
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    from distlab.bench import alphabeta
+    from distlab import alphabeta
 
     fits = alphabeta.fits(rows) if fits is None else fits
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7, 4))

@@ -1,5 +1,5 @@
 """Timelines of training steps (lab 08): what each rank computed and when each
-collective ran, from a :class:`distlab.bench.trace.Timeline`; the step time against the
+collective ran, from a :class:`distlab.timeline.Timeline`; the step time against the
 bucket size; and a widget that shows the timeline of the bucket size one picks.
 
 Without a widget front end (GitHub, a static HTML export) the picker shows every
@@ -8,14 +8,8 @@ they are used (importing this module needs neither).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from distlab.timeline import COMM, Timeline
 from distlab.viz import png
-
-if TYPE_CHECKING:  # the data only; viz never imports the code that made it
-    from distlab.bench.trace import Timeline
-
-COMM = "comm"     # the lanes of distlab.bench.trace.Span
 
 PHASES = {"forward": "#9ecae1", "backward": "#3182bd", "step": "#31a354", "wait": "#d9d9d9"}
 KERNEL = "#6baed6"                 # GPU compute kernels (too many names for a legend)

@@ -9,22 +9,26 @@ ranks shard, instead of replicating, what training keeps per parameter.
 
 Modules, one concept each:
 
-* :mod:`~distlab.zero.flat`: :func:`shard_range` (the ``torch.tensor_split`` split), the
-  padded layout and the two collectives, :class:`FlatParams` (one sharded unit);
-* :mod:`~distlab.zero.step`: :func:`zero2_step`, the ZeRO-2 step on a flat buffer;
+* :mod:`~distlab.zero.flat`: the API of flat sharded buffers (:class:`FlatParams`, one
+  sharded unit; the padded layout and the two collectives), documented there;
+* :func:`adamw_`: AdamW on flat tensors, in place (``adamw_(param, grad, state, lr=1e-3,
+  betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)``; ``state``, empty at the first step,
+  keeps ``step``, ``exp_avg`` and ``exp_avg_sq``), as ``torch.optim.AdamW`` computes it;
 * :mod:`~distlab.zero.optimizer`: :class:`ShardedOptimizer`, stage 1;
 * :mod:`~distlab.zero.fsdp`: :class:`FullyShardedDataParallel`, stages 3 and 2;
 * :mod:`~distlab.zero.scaler`: :class:`DynamicLossScaler` for fp16;
 * :mod:`~distlab.zero.kernel`: the sharded AdamW update as a CUDA kernel (cupy).
 
-:mod:`distlab.zero.memory` accounts the bytes each rank holds.
+:mod:`distlab.zero.memory` accounts the bytes each rank holds. The code of
+:class:`FlatParams`, :func:`adamw_` and :func:`zero2_step` (lab 05's answer) is in
+:mod:`distlab.reference.zero`.
 """
 from distlab.shards import shard_range
+from distlab.reference.zero import adamw_, zero2_step
 from distlab.zero.flat import FlatParams, Layout
 from distlab.zero.fsdp import FullyShardedDataParallel
 from distlab.zero.optimizer import ShardedOptimizer
 from distlab.zero.scaler import DynamicLossScaler
-from distlab.zero.step import adamw_, zero2_step
 
 __all__ = ["DynamicLossScaler", "FlatParams", "FullyShardedDataParallel", "Layout",
            "ShardedOptimizer", "adamw_", "shard_range", "zero2_step"]

@@ -23,7 +23,10 @@ form one more unit, kept whole on every rank (``FlatParams(..., replicate=True)`
 each keeps its shape in ``parameters()`` and gets the same averaged gradient on every
 rank (one all-reduce of all of them per step, 2Ψ' for their Ψ' elements), so that code
 which runs one collective per parameter, or compares them across ranks, sees the same
-tensors everywhere. A sharded parameter's piece is a 1-D slice of its unit's buffer,
+tensors everywhere. Outside forward the module holds their pieces (the master weights,
+each with its averaged gradient after backward), as it holds the sharded units' pieces
+in stage 3, so an optimizer over ``module.parameters()`` or code iterating the module
+sees every gradient. A sharded parameter's piece is a 1-D slice of its unit's buffer,
 whose size differs by rank (empty on some): FSDP2 (``fully_shard``) splits each
 parameter along dim 0 instead, so that every piece keeps its parameter's meaning;
 lab 05 says why torch moved there.
@@ -68,6 +71,7 @@ import torch.nn as nn
 
 from distlab.backend import check_module_devices
 from distlab.comm import check_group
+from distlab.reference.zero import reduce_grads
 from distlab.zero.flat import FlatParams, source_rank
 
 
@@ -140,6 +144,8 @@ class FullyShardedDataParallel(nn.Module):
                         functools.partial(_hook, me, "_grad_ready", i))
             if shard_parameters and unit.module is not None:
                 self._free(unit)
+            elif unit.module is None:
+                unit.show(full=False)
 
     def _build_units(self, module, compute_dtype, units, threshold) -> list[_Unit]:
         if units is None:
@@ -195,6 +201,9 @@ class FullyShardedDataParallel(nn.Module):
         out = self.module(*args, **kwargs)
         if self._root is not None:
             self._post_forward(self._root, None, None, out)
+        for unit in self._units:
+            if unit.module is None:       # the module shows the pieces, which get the gradient
+                unit.show(full=False)
         self._order_known = True
         return out
 
@@ -204,6 +213,7 @@ class FullyShardedDataParallel(nn.Module):
             unit.ready = 0
             if unit.module is None:       # replicated: its compute copy from the updated master
                 unit.flat.gather().wait()
+                unit.show(full=True)
             elif not self.shard_parameters:
                 unit.fresh = False        # stage 2: gather the updated weights once a step
         self._prepared.clear()
@@ -250,7 +260,7 @@ class FullyShardedDataParallel(nn.Module):
         if unit in self._reduced:
             return
         self._reduced.add(unit)
-        pending = unit.flat.reduce_grads(async_op=True)
+        pending = reduce_grads(unit.flat, async_op=True)
         for p in unit.flat.params:
             p.grad = None
         if self.shard_parameters and unit.module is not None:
@@ -305,8 +315,8 @@ class FullyShardedDataParallel(nn.Module):
                 yield prefix + name, piece
 
     def flat_params(self) -> list[FlatParams]:
-        """The units' flat buffers: the blocks', the root's, then the replicated one (its
-        ``numel`` a :class:`~distlab.zero.flat.Replicated`)."""
+        """The units' flat buffers: the blocks', the root's, then the replicated one
+        (``replicated`` true)."""
         return [unit.flat for unit in self._units]
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:

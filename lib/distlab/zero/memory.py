@@ -4,7 +4,8 @@
 With mixed-precision Adam each parameter costs 2 bytes of fp16/bf16 weights, 2 of
 gradients and K = 12 of optimizer state (fp32 master weights, momentum and variance)
 (Rajbhandari et al. 2020, "ZeRO", section 3.1). Over N ranks, per rank
-(:func:`zero_bytes`):
+(``zero_bytes(num_params, world_size, stage, k=12)``, lab 05's exercise, whose code is in
+:mod:`distlab.reference.memory`):
 
 | stage | shards | bytes per rank |
 | --- | --- | --- |
@@ -41,25 +42,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from distlab.reference.memory import STAGES, zero_bytes
 from distlab.shards import shard_range
-from distlab.zero.flat import Layout, Replicated
+from distlab.zero.flat import Layout
 
-STAGES = (0, 1, 2, 3)
 STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
-
-
-def zero_bytes(num_params: float, world_size: int, stage: int, k: float = 12) -> float:
-    """Bytes per rank for ``num_params`` (Ψ) parameters over ``world_size`` ranks with
-    mixed-precision Adam (the paper's formula; ``k`` bytes of optimizer state per
-    parameter)."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES} (0 is plain data parallelism), "
-                         f"got {stage!r}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    psi, n = num_params, world_size
-    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
-            3: (4 + k) * psi / n}[stage]
 
 
 @dataclasses.dataclass
@@ -79,30 +66,38 @@ class RankBytes:
         return {**dataclasses.asdict(self), "total": self.total}
 
 
-def accounting(unit_numels: list[int], world_size: int, rank: int, stage: int,
+def units_of(flat_params) -> tuple[list[int], int]:
+    """``(unit_numels, whole)`` of :class:`~distlab.zero.FlatParams` units, as
+    :func:`accounting` takes them: the element counts of the sharded units, and the
+    elements of the units kept whole on every rank (``replicate=True``)."""
+    flat_params = list(flat_params)
+    return ([f.numel for f in flat_params if not f.replicated],
+            sum(f.numel for f in flat_params if f.replicated))
+
+
+def accounting(unit_numels: list[int], world_size: int, rank: int, stage: int, whole: int = 0,
                param_bytes: int = 2, grad_bytes: int = 2, master_bytes: int = 4,
                state_bytes: int = 8) -> RankBytes:
     """Exact bytes rank ``rank`` holds at the end of backward in :mod:`distlab.zero`,
     for units (flat buffers) of ``unit_numels`` elements each sharded the
-    ``torch.tensor_split`` way, but for a :class:`~distlab.zero.flat.Replicated` count
-    (the persistent parameters of stages 2 and 3), whole on every rank, weights
-    included. Stage 0 is data parallelism with fp32 master weights (a
+    ``torch.tensor_split`` way, and ``whole`` elements kept whole on every rank, weights
+    included (the persistent parameters of stages 2 and 3; :func:`units_of` gives
+    both). Stage 0 is data parallelism with fp32 master weights (a
     :class:`~distlab.zero.ShardedOptimizer` over a group of one rank)."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
-    total = sum(unit_numels)
-    whole = sum(n for n in unit_numels if isinstance(n, Replicated))
-    shard = total if stage == 0 else _shard_total(unit_numels, world_size, rank)
+    total = sum(unit_numels) + whole
+    shard = total if stage == 0 else _shard_total(unit_numels, world_size, rank) + whole
     return RankBytes(params=total * param_bytes if stage < 3 else whole * param_bytes,
                      grads=total * grad_bytes if stage < 2 else shard * master_bytes,
                      master=shard * master_bytes, optimizer=shard * state_bytes)
 
 
 def _shard_total(unit_numels: list[int], world_size: int, rank: int) -> int:
-    """Elements rank ``rank`` holds of the units: its ``tensor_split`` shard of each, the
-    whole of a :class:`~distlab.zero.flat.Replicated` one."""
-    return sum(n if isinstance(n, Replicated) else end - start for n, (start, end) in
-               ((n, shard_range(n, rank, world_size)) for n in unit_numels))
+    """Elements rank ``rank`` holds of the sharded units: its ``tensor_split`` shard of
+    each."""
+    return sum(end - start for start, end in (shard_range(n, rank, world_size)
+                                              for n in unit_numels))
 
 
 def live_bytes(params=(), grads=(), master=(), optimizer=None) -> RankBytes:
@@ -140,14 +135,16 @@ def live_bytes(params=(), grads=(), master=(), optimizer=None) -> RankBytes:
 
 
 def step_buffers(unit_numels: list[int], world_size: int, rank: int, stage: int,
-                 param_bytes: int = 2, master_bytes: int = 4, scratch_bytes: int = 4) -> int:
+                 whole: int = 0, param_bytes: int = 2, master_bytes: int = 4,
+                 scratch_bytes: int = 4) -> int:
     """The most bytes of temporary buffers alive at once during the optimizer step of
     :mod:`distlab.zero` on rank ``rank`` (from the end of backward to the end of the
     step, above :func:`accounting`'s model states), every parameter having a gradient,
     as the bench and lab 05 build each stage (stage 0: a
     :class:`~distlab.zero.ShardedOptimizer` over a group of one after
     :class:`~distlab.dp.DataParallel`). ``scratch_bytes``: the optimizer's temporaries
-    per element of the shard (4: ``torch.optim.AdamW(foreach=True)``'s ``sqrt(v)``).
+    per element of the shard (4: ``torch.optim.AdamW(foreach=True)``'s ``sqrt(v)``);
+    ``whole``: as in :func:`accounting` (stages 2 and 3).
 
     Step by step (``b`` = ``param_bytes``, ``m`` = ``master_bytes``, shard ``s`` of
     ``S``, unit of ``n`` elements padded to ``p = N·c``):
@@ -165,7 +162,7 @@ def step_buffers(unit_numels: list[int], world_size: int, rank: int, stage: int,
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if stage >= 2:
-        return scratch_bytes * _shard_total(unit_numels, world_size, rank)
+        return scratch_bytes * (_shard_total(unit_numels, world_size, rank) + whole)
     world = 1 if stage == 0 else world_size
     layouts = [Layout(n, world) for n in unit_numels]
     shards = [end - start for start, end in (lay.bounds(0 if stage == 0 else rank)

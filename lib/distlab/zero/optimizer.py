@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from distlab.comm import check_group
+from distlab.reference.zero import reduce_grads
 from distlab.zero.flat import FlatParams
 
 
@@ -93,7 +94,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return
         if self.average_gradients:
-            for pending in [u.reduce_grads(async_op=True) for u in self.flat_params()]:
+            for pending in [reduce_grads(u, async_op=True) for u in self.flat_params()]:
                 pending.wait()
         else:
             for unit in self.flat_params():

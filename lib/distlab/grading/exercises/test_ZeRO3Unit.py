@@ -9,11 +9,13 @@ the module's forward, freed (storage of 0 bytes) right after it, all-gathered ag
 before its backward, and freed once the gradient is reduce-scattered (mean over the
 group) into ``.shard.grad`` (added when one is already there). An optimizer over
 ``unit.parameters()`` is then ZeRO-3. A rank outside ``group`` keeps no shard
-(``.shard`` is None), makes no call and returns None.
+(``.shard`` is None), makes no call and returns None. Backwards add up: two backwards
+without a step leave the sum of their means in ``.shard.grad``.
 
 The module is a float64 MLP of 1061 parameters (16 -> 48 -> 5; 1061 is uneven over 2 and
 3 ranks) trained with SGD and momentum for 3 steps on 6 rows a step, each rank its
-``tensor_split`` share of the rows, at 1, 2 and 3 ranks and on the group [0, 2] of 3.
+``tensor_split`` share of the rows, at 1, 2 and 3 ranks and on the group [0, 2] of 3;
+step TWICE runs forward and backward twice on its batch before the optimizer step.
 One launch per case builds the unit only (its shard), another trains; they return per
 step the shard's gradient and values, the CommLog records of forward and backward, and
 the bytes a StorageTracker (distlab.zero.memory) saw in use: after construction, after
@@ -33,21 +35,77 @@ from distlab.comm import CommLog
 from distlab.grading import expect_close
 
 NOTEBOOK = "05_zero"
-# the hint a student failing each test should open (Hint 1: which moments, which hooks;
-# 2: one flat leaf; 3: freeing what autograd saved; 4: uneven shards, equal pieces;
-# 5: the recipe)
-HINTS = {"test_keeps_only_this_ranks_shard": 4,
-         "test_frees_the_full_parameters_between_uses": 3,
-         "test_the_shard_gradient_is_the_mean_gradient": 4,
-         "test_training_equals_one_process": 2,
-         "test_three_psi_all_gather_all_gather_reduce_scatter": 1,
-         "test_a_group_of_two_ranks": 5,
-         "test_a_rank_outside_the_group_keeps_nothing": 5}
+# the hint to open, by the words of the check that failed (Hint 1: the moments and what
+# runs there; 2: one place for every gradient; 3: freeing under autograd's saved tensors;
+# 4: uneven shards in equal pieces; 5: the recipe)
+HINTS = {'test_keeps_only_this_ranks_shard': {'uneven shards lost': 4,
+                                              'nn.Module': 5,
+                                              'unit.parameters() yields': 2,
+                                              'still holds': 2,
+                                              'unit.shard': 4},
+         'test_frees_the_full_parameters_between_uses': {'after construction': 3,
+                                                         'stay allocated after forward': 3,
+                                                         'after backward': 3,
+                                                         'uneven shards lost': 4,
+                                                         'the second backward replaced': 5,
+                                                         'were summed': 4,
+                                                         "this rank's own gradient only": 4,
+                                                         'is None': 1,
+                                                         'backward used parameters that were freed': 3,
+                                                         'backward refused the parameters': 3,
+                                                         'backward raised': 1,
+                                                         'unit.shard.grad': 2},
+         'test_the_shard_gradient_is_the_mean_gradient': {'uneven shards lost': 4,
+                                                          'the second backward replaced': 5,
+                                                          'were summed': 4,
+                                                          "this rank's own gradient only": 4,
+                                                          'is None': 1,
+                                                          'backward used parameters that were freed': 3,
+                                                          'backward refused the parameters': 3,
+                                                          'backward raised': 1,
+                                                          'unit.shard.grad': 2},
+         'test_training_equals_one_process': {'uneven shards lost': 4,
+                                              'the second backward replaced': 5,
+                                              'were summed': 4,
+                                              "this rank's own gradient only": 4,
+                                              'is None': 1,
+                                              'backward used parameters that were freed': 3,
+                                              'backward refused the parameters': 3,
+                                              'backward raised': 1,
+                                              'unit.shard.grad': 2,
+                                              'after SGD': 2},
+         'test_three_psi_all_gather_all_gather_reduce_scatter': {'construction called': 5,
+                                                                 'all_reduce of': 4,
+                                                                 "not the unit's group": 5,
+                                                                 'calls for the': 1,
+                                                                 'moved': 4,
+                                                                 'reduce-scattered before': 1,
+                                                                 'uneven shards lost': 4,
+                                                                 'the second backward replaced': 5,
+                                                                 'were summed': 4,
+                                                                 "this rank's own gradient only": 4,
+                                                                 'is None': 1,
+                                                                 'backward used parameters that were freed': 3,
+                                                                 'backward refused the parameters': 3,
+                                                                 'backward raised': 1,
+                                                                 'unit.shard.grad': 2},
+         'test_a_group_of_two_ranks': {"not the unit's group": 5,
+                                       'uneven shards lost': 4,
+                                       'the second backward replaced': 5,
+                                       'were summed': 4,
+                                       "this rank's own gradient only": 4,
+                                       'is None': 1,
+                                       'backward used parameters that were freed': 3,
+                                       'backward refused the parameters': 3,
+                                       'backward raised': 1,
+                                       'unit.shard.grad': 2},
+         'test_a_rank_outside_the_group_keeps_nothing': {'not in the group': 5}}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 IN, HIDDEN, OUT = 16, 48, 5
 NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT          # 1061 = 2·530 + 1 = 3·353 + 2
 ROWS, STEPS, ELEMENT = 6, 3, 8                              # float64
+TWICE = 1                  # the step with two forward-backwards before the optimizer step
 LR, MOMENTUM = 0.2, 0.9
 PAIR = [0, 2]
 TIMEOUT = 30
@@ -107,6 +165,13 @@ def _tensor(t):
     return t.detach().clone() if isinstance(t, torch.Tensor) else None
 
 
+def in_backward(e):
+    """``e``, its message marked as raised in backward, its traceback (the student's
+    frames among it) kept."""
+    e.args = (f"{IN_BACKWARD}{type(e).__name__}: {e.args[0] if e.args else ''}", *e.args[1:])
+    return e
+
+
 def rank_run(cls, group_ranks=None, train=True):
     """Build the student's unit (and, with ``train``, run STEPS SGD steps) on this
     rank; plain data only. A student's exception stops the launch (the launcher names
@@ -161,8 +226,15 @@ def rank_run(cls, group_ranks=None, train=True):
                 try:
                     loss.backward()
                 except Exception as e:
-                    raise RuntimeError(f"{IN_BACKWARD}{type(e).__name__}: {e}") from None
+                    raise in_backward(e)
             after_backward = tracker.settle(before + NUMEL * ELEMENT // 2, timeout=0.5) - before
+            if step == TWICE:                         # accumulate: a second backward
+                again = loss_of(unit(x), t)
+                try:
+                    again.backward()
+                except Exception as e:
+                    raise in_backward(e)
+                del again
             record = dict(grad=_tensor(shard.grad), forward=forward.records(),
                           backward=backward.records(), after_forward=after_forward,
                           after_backward=after_backward, loss=float(loss.detach()))
@@ -200,9 +272,13 @@ def _launch(student, world, train, pair):
 
 
 def _advice(e, world):
-    """A student's exception, with what it usually means."""
+    """A student's exception, with what it usually means when autograd raised it in
+    backward; one raised in the student's own code (a frame of the exercise cell in its
+    traceback) is left as it is: the report names the student's line."""
+    from distlab.grading.output import student_line
+
     message = str(getattr(e, "message", e))
-    if IN_BACKWARD in message:
+    if IN_BACKWARD in message and not student_line(getattr(e, "remote_traceback", "")):
         cause = message.split(IN_BACKWARD, 1)[1].splitlines()[0]
         if "storage of size 0" in cause or "out of bounds for storage" in cause:
             return AssertionError(
@@ -237,10 +313,12 @@ def reference():
                 probe = make_mlp()
                 probe.load_state_dict(net.state_dict())
                 x, t = batch(step, rank, world)
-                loss_of(probe(x), t).backward()
+                for _ in range(2 if step == TWICE else 1):
+                    loss_of(probe(x), t).backward()
                 local[world, rank] = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
         x, t = batch(step)
-        loss_of(net(x), t).backward()
+        for _ in range(2 if step == TWICE else 1):
+            loss_of(net(x), t).backward()
         grad = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
         sgd_step(list(net.parameters()), momentum)
         out.append({"grad": grad, "params": flat_of(net), "local": local})
@@ -351,6 +429,11 @@ def check_gradients(out, pair=False):
             assert got is not None, (f"{what} is None: once backward has produced the full "
                                      f"gradient, reduce-scatter it and put this rank's piece in "
                                      f"unit.shard.grad")
+            if step == TWICE and got.shape == want.shape and torch.allclose(got, want / 2):
+                raise AssertionError(
+                    f"{what} is one backward's mean, after two backwards without an optimizer "
+                    f"step: the second backward replaced the first one's gradient. Backwards add "
+                    f"up, as autograd's do: add to unit.shard.grad when one is already there")
             if world > 1 and got.shape == want.shape:
                 if torch.allclose(got, world * want):
                     raise AssertionError(

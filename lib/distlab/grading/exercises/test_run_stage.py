@@ -39,15 +39,148 @@ from pp_cases import CFG, LANG, SEQ, sgd
 NOTEBOOK = "07_pipeline_parallel"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
-# The hint to open (lab 07, section 4) beside each test's failure: 1 what each action needs,
-# 2 the loss and the backward, 3 grouping the transfers, 4 the first exchange with each
-# neighbour, 5 the tied embedding, 6 the whole recipe (with the checks of the arguments).
-HINTS = {"test_gpipe_on_2_stages": 1, "test_1f1b_on_2_stages": 3, "test_one_micro_batch": 4,
-         "test_a_batch_smaller_than_m_raises_value_error": 6,
-         "test_mismatched_shapes_raise_value_error": 6,
-         "test_a_wrong_group_raises_value_error": 6, "test_gpipe_on_4_stages": 3,
-         "test_1f1b_on_4_stages": 3, "test_micro_batches_of_unequal_sizes": 2,
-         "test_3_stages_inside_a_group": 6}
+# The hint to open (lab 07, section 4), by the words of the check that failed: 1 what each
+# action needs, 2 the loss and the backward, 3 grouping the transfers, 4 the first exchange
+# with each neighbour, 5 the tied embedding, 6 the whole recipe (with the argument checks).
+HINTS = {'test_gpipe_on_2_stages': {'SUM of the': 2,
+                                    'weighed 1/m': 2,
+                                    "times one process's gradient": 2,
+                                    'tied to the token embedding': 5,
+                                    "another micro-batch's": 1,
+                                    'on NCCL': 3,
+                                    'where one process leaves .grad None': 6,
+                                    'returned': 2,
+                                    'is not in the group': 6,
+                                    'another size than the buffer': 1,
+                                    "differ from one process's": 1,
+                                    'against one process': 1,
+                                    'deadlock': 4},
+         'test_1f1b_on_2_stages': {'SUM of the': 2,
+                                   'weighed 1/m': 2,
+                                   "times one process's gradient": 2,
+                                   'tied to the token embedding': 5,
+                                   "another micro-batch's": 1,
+                                   'on NCCL': 3,
+                                   'where one process leaves .grad None': 6,
+                                   'returned': 2,
+                                   'is not in the group': 6,
+                                   'another size than the buffer': 1,
+                                   "differ from one process's": 1,
+                                   'against one process': 1,
+                                   'deadlock': 4},
+         'test_one_micro_batch': {'SUM of the': 2,
+                                  'weighed 1/m': 2,
+                                  "times one process's gradient": 2,
+                                  'tied to the token embedding': 5,
+                                  "another micro-batch's": 1,
+                                  'on NCCL': 3,
+                                  'where one process leaves .grad None': 6,
+                                  'returned': 2,
+                                  'is not in the group': 6,
+                                  'another size than the buffer': 1,
+                                  "differ from one process's": 1,
+                                  'against one process': 1,
+                                  'deadlock': 4},
+         'test_a_batch_smaller_than_m_raises_value_error': {'raised ValueError after': 6,
+                                                            'raise ValueError on every stage': 6,
+                                                            'waited for each other': 6,
+                                                            'SUM of the': 2,
+                                                            'weighed 1/m': 2,
+                                                            "times one process's gradient": 2,
+                                                            'tied to the token embedding': 5,
+                                                            "another micro-batch's": 1,
+                                                            'on NCCL': 3,
+                                                            'where one process leaves .grad None': 6,
+                                                            'returned': 2,
+                                                            'is not in the group': 6,
+                                                            'another size than the buffer': 1,
+                                                            "differ from one process's": 1,
+                                                            'against one process': 1,
+                                                            'deadlock': 4},
+         'test_mismatched_shapes_raise_value_error': {'raised ValueError after': 6,
+                                                      'raise ValueError on every stage': 6,
+                                                      'waited for each other': 6,
+                                                      'SUM of the': 2,
+                                                      'weighed 1/m': 2,
+                                                      "times one process's gradient": 2,
+                                                      'tied to the token embedding': 5,
+                                                      "another micro-batch's": 1,
+                                                      'on NCCL': 3,
+                                                      'where one process leaves .grad None': 6,
+                                                      'returned': 2,
+                                                      'is not in the group': 6,
+                                                      'another size than the buffer': 1,
+                                                      "differ from one process's": 1,
+                                                      'against one process': 1,
+                                                      'deadlock': 4},
+         'test_a_wrong_group_raises_value_error': {'raised ValueError after': 6,
+                                                   'raise ValueError on every stage': 6,
+                                                   'waited for each other': 6,
+                                                   'SUM of the': 2,
+                                                   'weighed 1/m': 2,
+                                                   "times one process's gradient": 2,
+                                                   'tied to the token embedding': 5,
+                                                   "another micro-batch's": 1,
+                                                   'on NCCL': 3,
+                                                   'where one process leaves .grad None': 6,
+                                                   'returned': 2,
+                                                   'is not in the group': 6,
+                                                   'another size than the buffer': 1,
+                                                   "differ from one process's": 1,
+                                                   'against one process': 1,
+                                                   'deadlock': 4},
+         'test_gpipe_on_4_stages': {'SUM of the': 2,
+                                    'weighed 1/m': 2,
+                                    "times one process's gradient": 2,
+                                    'tied to the token embedding': 5,
+                                    "another micro-batch's": 1,
+                                    'on NCCL': 3,
+                                    'where one process leaves .grad None': 6,
+                                    'returned': 2,
+                                    'is not in the group': 6,
+                                    'another size than the buffer': 1,
+                                    "differ from one process's": 1,
+                                    'against one process': 1,
+                                    'deadlock': 4},
+         'test_1f1b_on_4_stages': {'SUM of the': 2,
+                                   'weighed 1/m': 2,
+                                   "times one process's gradient": 2,
+                                   'tied to the token embedding': 5,
+                                   "another micro-batch's": 1,
+                                   'on NCCL': 3,
+                                   'where one process leaves .grad None': 6,
+                                   'returned': 2,
+                                   'is not in the group': 6,
+                                   'another size than the buffer': 1,
+                                   "differ from one process's": 1,
+                                   'against one process': 1,
+                                   'deadlock': 4},
+         'test_micro_batches_of_unequal_sizes': {'SUM of the': 2,
+                                                 'weighed 1/m': 2,
+                                                 "times one process's gradient": 2,
+                                                 'tied to the token embedding': 5,
+                                                 "another micro-batch's": 1,
+                                                 'on NCCL': 3,
+                                                 'where one process leaves .grad None': 6,
+                                                 'returned': 2,
+                                                 'is not in the group': 6,
+                                                 'another size than the buffer': 1,
+                                                 "differ from one process's": 1,
+                                                 'against one process': 1,
+                                                 'deadlock': 4},
+         'test_3_stages_inside_a_group': {'SUM of the': 2,
+                                          'weighed 1/m': 2,
+                                          "times one process's gradient": 2,
+                                          'tied to the token embedding': 5,
+                                          "another micro-batch's": 1,
+                                          'on NCCL': 3,
+                                          'where one process leaves .grad None': 6,
+                                          'returned': 2,
+                                          'is not in the group': 6,
+                                          'another size than the buffer': 1,
+                                          "differ from one process's": 1,
+                                          'against one process': 1,
+                                          'deadlock': 4}}
 TIMEOUT = 30  # seconds per launch; a correct one takes one or two (a few on a loaded machine)
 STEPS, LR = 2, 0.5
 FROZEN, UNUSED = "blocks.0.ln1.bias", "blocks.1.unused"
@@ -113,8 +246,8 @@ ERRORS = {
 
 
 def error_case(run_stage, case):
-    """What run_stage does in ``case`` (of :data:`ERRORS`) on this rank: "ValueError", the
-    name of another exception, or what it returned."""
+    """What run_stage does in ``case`` (of :data:`ERRORS`) on this rank: ("ValueError",
+    the name of another exception, or what it returned; the calls it made first)."""
     rank = dist.get_rank()
     inputs, targets = LANG.batch(0, 6, SEQ)
     index, stages, m = rank, 2, 2
@@ -129,13 +262,14 @@ def error_case(run_stage, case):
     else:
         index = 1 - rank
     stage = pp.Stage(make_model(), index, stages)
-    try:
-        got = run_stage(stage, pp.build_schedule("gpipe", stages, m), inputs, targets)
-    except NotImplementedError:
-        raise
-    except Exception as exc:
-        return type(exc).__name__
-    return f"returned {type(got).__name__}"
+    with CommLog() as log:
+        try:
+            got = run_stage(stage, pp.build_schedule("gpipe", stages, m), inputs, targets)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            return type(exc).__name__, [e.op for e in log.events]
+    return f"returned {type(got).__name__}", [e.op for e in log.events]
 
 
 def check_raises(student, kind):
@@ -157,9 +291,12 @@ def check_raises(student, kind):
             if exc.exc_type == "NotImplementedError":
                 raise
             raise AssertionError(f"{what}: {str(exc).splitlines()[0]}") from None
-        for rank, got in enumerate(ranks):
+        for rank, (got, calls) in enumerate(ranks):
             assert got == "ValueError", (f"{what}: rank {rank}: {got}; raise ValueError on "
                                          f"every stage, before any transfer")
+            assert not calls, (f"{what}: rank {rank} raised ValueError after {len(calls)} "
+                               f"call(s) ({', '.join(calls[:4])}): check the arguments before "
+                               f"any transfer, so that no stage waits for a peer that gave up")
 
 
 # ----------------------------------------------------------------- in the test process
@@ -254,24 +391,29 @@ def describe(schedule, p, m, batch, members=None):
 
 
 def _rank_error(exc, what, batch, m):
+    from distlab.grading.output import rank_error
+
     text = str(exc)
-    first = text.splitlines()[0]
-    tb = exc.remote_traceback.strip().splitlines()
-    place = next((line.strip() for line in reversed(tb) if line.strip().startswith("File")), "")
     hint = ""
     if "Mismatch in shape" in text:
         hint = f"; {MIXUP}"
     elif batch % m and ("size" in text or "shape" in text):
         hint = f"; {shapes_hint(batch, m)}"
-    return f"{what}: {first}" + (f" ({place})" if place else "") + hint
+    return f"{what}: {rank_error(exc)}" + hint
 
 
 def _crash(exc, what, batch, m):
     text = str(exc)
     if "doesn't match expected size" in text:
-        return (f"{what}: a rank received a message larger than the buffer it posted for it "
-                f"(gloo aborted: \"Received data size doesn't match expected size\"; NCCL "
-                f"needs the same size on both sides); {shapes_hint(batch, m)}")
+        dtype = ("a receive buffer of another dtype than the message: messages carry the "
+                 "parameters' dtype (float64 here), and torch.empty makes float32 unless told "
+                 "dtype=; ")
+        return (f"{what}: a rank received a message of another size than the buffer it "
+                f"posted for it (gloo aborted: \"Received data size doesn't match expected "
+                f"size\"; NCCL needs the same size on both sides). " + (
+                    f"The micro-batches' rows are equal here, so the likely cause is {dtype}"
+                    f"otherwise the buffer's shape" if not batch % m else
+                    f"Either {dtype}or {shapes_hint(batch, m)}"))
     return f"{what}: {text.splitlines()[0]}"
 
 
@@ -345,9 +487,12 @@ def check_gradients(ranks, members, want, first_loss, what, m, batch):
         for n, g in ranks[rank]["grads"].items():
             w = want.get(n)
             if w is None:
-                assert g is None or not g.any(), (
-                    f"{what}: stage {s}'s {n} has a gradient, but one process gives it none "
-                    f"({'frozen' if n == FROZEN else 'the loss never uses it'})")
+                assert g is None, (
+                    f"{what}: stage {s}'s {n} has a gradient"
+                    + (" of zeros" if not g.any() else "") + f" where one process leaves .grad "
+                    f"None ({'frozen' if n == FROZEN else 'the loss never uses it'}): leave "
+                    f"None where no backward reached a parameter (an optimizer treats a zero "
+                    f"gradient as a step: weight decay and momentum still move it)")
             elif not _close(g, w):
                 bad.append((s, n, g, w))
     if not bad:

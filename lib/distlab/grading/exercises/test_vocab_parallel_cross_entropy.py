@@ -11,7 +11,9 @@ Backward gives each rank its slice of the full gradient, without a collective.
 Tested at 1, 2, 3 and 4 ranks on a vocabulary of 53 tokens (prime: uneven at every
 size) and 24 tokens whose targets include every shard's first and last token: logits
 of a few units in float64, then logits near 1e4 in float32 (where exp overflows unless
-the global max is subtracted first); the gradient of the logits; the collectives
+the global max is subtracted first), then float32 logits of a few units with one of 200
+(where any shift below the global max, such as the mean of the ranks' maxima, overflows);
+the gradient of the logits; the collectives
 CommLog saw; a group of ranks 0 and 2 of 3 and 4 (a rank outside it returns None at
 once); logits of the wrong width (ValueError). One launch per case and size; every
 check runs here. A wrong value is compared with what the usual mistakes give (a local
@@ -41,17 +43,32 @@ F64 = torch.float64
 LARGE = 1e4            # the large case's logits: exp overflows in float32 (and float64)
 PER_TOKEN_BYTES = 16   # the most one collective may move per token: two float64 numbers
 
-# The hint under the exercise a student failing each test opens (1: which parts need the
-# other ranks, 2: a stable exponent, the same on every rank, 3: the target's logit,
-# 4: the gradient, 5: the whole recipe, whose first step is the group and the width).
+WIDE = 200.0           # the wide case: one logit of 200 among logits of a few units
+
+# The hint to open, by the words of the check that failed (1: which parts need the other
+# ranks, 2: the shift of the exponent, 3: the target's logit, 4: the gradient through a
+# sum over ranks, 5: the whole recipe, whose first step is the group and the width).
 HINTS = {
-    "test_the_loss_equals_cross_entropy_of_the_whole_logits": 1,
-    "test_logits_near_1e4_do_not_overflow": 2,
-    "test_the_gradient_is_this_ranks_slice_of_the_full_one": 4,
-    "test_all_reduces_of_one_number_per_token_nothing_backward": 1,
-    "test_a_group_of_two_ranks": 3,
-    "test_a_rank_outside_the_group_returns_none_at_once": 5,
-    "test_logits_of_the_wrong_width_raise_value_error": 5,
+    "test_the_loss_equals_cross_entropy_of_the_whole_logits": {
+        "OWN largest logit": 2, "sum of the exponentials is this rank's only": 1,
+        "target's logit was taken on EVERY rank": 3, "r * (vocab_size // t)": 3,
+        "is the SUM over the tokens": 1, "per-token losses": 1, "raised ValueError": 5,
+        "does not hold gives an index outside": 3, "F.cross_entropy of the whole logits": 1},
+    "test_logits_near_1e4_do_not_overflow": {"Overflow": 2, "OWN largest logit": 2,
+                                             "F.cross_entropy of the whole logits": 2},
+    "test_one_wide_logit_does_not_overflow": {"below the largest logit": 2,
+                                              "F.cross_entropy of the whole logits": 2},
+    "test_the_gradient_is_this_ranks_slice_of_the_full_one": {
+        "does not depend on the logits": 4, "inside autograd's graph": 2,
+        "times too large": 4, "gradient of this rank's logits": 4, "got no gradient": 4},
+    "test_all_reduces_of_one_number_per_token_nothing_backward": {
+        "more than two numbers per token": 1, "all-reduces (MAX": 1, "collectives": 1,
+        "not the group's": 5, "backward made": 4},
+    "test_a_group_of_two_ranks": {"deadlock with group": 5, "not in the group": 5,
+                                  "OWN largest logit": 2, "target's logit": 3,
+                                  "F.cross_entropy of the whole logits": 1},
+    "test_a_rank_outside_the_group_returns_none_at_once": {"outside the group": 5},
+    "test_logits_of_the_wrong_width_raise_value_error": {"ValueError": 5},
 }
 
 
@@ -69,6 +86,9 @@ def data(case):
         logits = (LARGE + 3 * torch.randn(N, V, generator=g, dtype=F64)).float()
     else:
         logits = 3 * torch.randn(N, V, generator=g, dtype=F64)
+    if case == "wide":               # on the last rank's tokens at every size
+        logits = logits.float()
+        logits[1, V - 1] = WIDE
     targets = torch.randint(0, V, (N,), generator=g)
     edges = sorted({i for size in MULTI for s, n in spans(size) for i in (s, s + n - 1)})
     targets[:len(edges)] = torch.tensor(edges)
@@ -127,7 +147,8 @@ def run(fn, size, case):
     through the sizes once per aspect; a new size costs new ranks)."""
     key = (repr(fn), size)  # the student's function comes as a reference
     if key not in _runs:
-        _runs[key] = {c: _launch(fn, size, c) for c in ("small", "large", "pair")[:2 + (size >= 3)]}
+        _runs[key] = {c: _launch(fn, size, c)
+                      for c in ("small", "large", "wide", "pair")[:3 + (size >= 3)]}
     found = _runs[key][case]
     if isinstance(found, Exception):
         raise found
@@ -184,7 +205,9 @@ def where(case, rank, size, gsize, grank):
     start, n = spans(gsize)[grank]
     split = "+".join(str(m) for _, m in spans(gsize))
     group = f", group = ranks {list(PAIR)}" if case == "pair" else ""
-    logits = "logits near 1e4, float32" if case == "large" else "logits of a few units, float64"
+    logits = {"large": "logits near 1e4, float32",
+              "wide": f"float32 logits of a few units and one of {WIDE:g}"}.get(
+        case, "logits of a few units, float64")
     return (f"rank {rank} of {size}{group} ({logits}; {V} tokens split {split}: this rank "
             f"holds tokens {start}..{start + n - 1})")
 
@@ -281,7 +304,7 @@ def check_loss(case, out):
     """Every member's loss against F.cross_entropy of the whole logits, naming the
     mistake where a usual one gives the value found."""
     per_token, right, _ = reference(case)
-    tol = dict(rtol=1e-5, atol=1e-5) if case == "large" else dict(rtol=1e-9, atol=1e-9)
+    tol = dict(rtol=1e-5, atol=1e-5) if case in ("large", "wide") else dict(rtol=1e-9, atol=1e-9)
     for rank, gsize, grank, found in members(case, out):
         what = where(case, rank, len(out), gsize, grank)
         loss = found["loss"]
@@ -301,6 +324,13 @@ def check_loss(case, out):
                     f"88.7, float64's past 709); with m the largest logit of the whole "
                     f"vocabulary (each rank's max, all-reduced with op=dist.ReduceOp.MAX), "
                     f"log sum exp(z - m) - (z_target - m) is the loss and no exponent is above 0")
+            if case == "wide":
+                raise AssertionError(
+                    f"{what}: the loss is {float(loss)} where F.cross_entropy gives "
+                    f"{float(right):.6g}: the shift of the exponent is below the largest logit "
+                    f"of the whole vocabulary (a mean or sum of the ranks' maxima?), so "
+                    f"exp({WIDE:g} - shift) overflows float32 (past 88.7). Shift by the largest "
+                    f"logit itself: each rank's max, all-reduced with op=dist.ReduceOp.MAX")
             raise AssertionError(f"{what}: the loss is {float(loss)}, not a finite number")
         if close(loss, right, **tol):
             continue
@@ -411,6 +441,11 @@ def test_the_loss_equals_cross_entropy_of_the_whole_logits(student, size):
 @pytest.mark.parametrize("size", SIZES)
 def test_logits_near_1e4_do_not_overflow(student, size):
     check_loss("large", run(student.vocab_parallel_cross_entropy, size, "large"))
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_one_wide_logit_does_not_overflow(student, size):
+    check_loss("wide", run(student.vocab_parallel_cross_entropy, size, "wide"))
 
 
 @pytest.mark.parametrize("size", SIZES)

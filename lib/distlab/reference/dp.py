@@ -1,4 +1,7 @@
-"""Data parallelism: every rank holds the whole model, computes gradients on its own
+"""Lab 04's answers (``allreduce_gradients``, the one-shot wrapper) and lab 08's
+(``BucketedDDP``: :class:`DataParallel` and its buckets), used through :mod:`distlab.dp`.
+
+Data parallelism: every rank holds the whole model, computes gradients on its own
 slice of the global batch, and the ranks average their gradients before each step.
 
 Two wrappers, both shaped like ``torch.nn.parallel.DistributedDataParallel`` (``.module``,

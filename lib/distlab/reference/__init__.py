@@ -1,0 +1,15 @@
+"""The library's answers to the labs' graded exercises, and the code built on them.
+
+Everything here is what a lab asks a student to write (or its core): the shards of
+lab 05 (:mod:`~distlab.reference.shards`), its ZeRO-2 step, flat units and AdamW
+(:mod:`~distlab.reference.zero`), the vocabulary-parallel cross-entropy of lab 06
+(:mod:`~distlab.reference.tp`), and the data-parallel wrappers of labs 04 and 08
+(:mod:`~distlab.reference.dp`). The rest of the library uses them through the modules
+that re-export them (:mod:`distlab.shards`, :mod:`distlab.zero`, :mod:`distlab.dp`),
+whose documentation says what they do, not how.
+
+**Reading this package before your exercise is graded defeats the exercise.** The
+grader refuses calls to these answers while it grades the exercise they answer.
+
+No module here imports a package that re-exports from it (no import cycles).
+"""

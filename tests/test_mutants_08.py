@@ -1,0 +1,43 @@
+"""The grader as teacher, lab 08: wrong answers a student would plausibly write to the core
+exercise ``BucketedDDP`` each fail with a first message that names the mistake.
+
+Each mutant is the solution's cell with one plausible change, graded as a student's
+notebook would be (``runner.grade(path, only=[EXERCISE], first_failure=True)``), one
+after the other.
+"""
+import pytest
+
+from mutants import grade_mutants
+
+LAB, EXERCISE = "08_overlap", "BucketedDDP"
+
+# the buckets all-reduced with their sum, never divided by the group's size
+SUMMED = (("                flats[i].div_(dist.get_world_size(group))\n", ""),)
+
+# every bucket launched from finish_gradient_synchronization(): right values, no overlap
+NO_OVERLAP = (("            ready[i].add(id(p))\n            launch(flush=False)\n",
+               "            ready[i].add(id(p))\n"),)
+
+# (mutant, its change, what the student must read, the test that must be the first to fail)
+MUTANTS = [
+    ("buckets summed, not averaged", SUMMED, "is the SUM over the ranks, not the mean",
+     "test_gradients_are_the_mean_over_ranks"),
+    ("every bucket launched after backward", NO_OVERLAP, "no overlap",
+     "test_the_first_all_reduce_starts_before_the_last_gradient"),
+]
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    return grade_mutants(tmp_path_factory.mktemp("mutants"), LAB, EXERCISE,
+                         {name: change for name, change, *_ in MUTANTS})
+
+
+@pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
+                         ids=[m[0] for m in MUTANTS])
+def test_a_wrong_bucketed_ddp_fails_naming_its_mistake(verdicts, name, says, first):
+    r = verdicts[name]
+    assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
+    assert says in r.message, (name, r.message)
+    assert r.message.startswith(first), (name, r.message)
+    assert r.hint, (name, "a failed check of the kit's own points to a hint")
