@@ -71,7 +71,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "mesh_groups": ("distlab.mesh:Grid", "distlab.mesh:Mesh"),
     "distributed_train_step": ("distlab.train:Trainer", "distlab.train:build",
                                "distlab.train:train", "distlab.train:_Bucket",
-                               "distlab.train:_Shards"),
+                               "distlab.train:_Shards", "distlab.reference.zero:reduce_grads"),
     # lab 10: the casts of distlab.fp8 are the exercise's own few lines
     "fp8_linear": tuple(f"distlab.fp8:{n}" for n in (
         "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),
