@@ -71,6 +71,11 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "distributed_train_step": ("distlab.train:Trainer", "distlab.train:build",
                                "distlab.train:train", "distlab.train:_Bucket",
                                "distlab.train:_Shards"),
+    "ring_attention": ("distlab.cp._reference:ring_attention",
+                       "distlab.cp._reference:_RingAttention"),
+    # kept() is the contract's drop rule, combine_local the one-process layer's sum
+    "moe_dispatch_combine": ("distlab.moe._reference:moe_dispatch_combine",
+                             "distlab.moe.layer:kept", "distlab.moe.layer:combine_local"),
 }
 
 REFUSAL = "this is the library's answer to the exercise being graded"

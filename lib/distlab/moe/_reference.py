@@ -28,9 +28,7 @@ def moe_dispatch_combine(x, expert_ids, weights, experts, capacity=None, group=N
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     local = len(experts)
     num_experts = world * local
-    if expert_ids.dtype != torch.int64 or expert_ids.shape != weights.shape or \
-            expert_ids.shape[0] != x.shape[0]:
-        raise ValueError("expert_ids (int64) and weights must both be (N, k), N the rows of x")
+    _check(x, expert_ids, weights, num_experts, capacity)
     keep = kept(expert_ids, num_experts, capacity)
     n, j = keep.nonzero(as_tuple=True)              # token order, then choice
     e = expert_ids[n, j]
@@ -54,3 +52,20 @@ def moe_dispatch_combine(x, expert_ids, weights, experts, capacity=None, group=N
     if world > 1:
         back = exchange(back, got.sum(1).tolist(), send_splits, group)
     return torch.zeros_like(x).index_add(0, n, back * weights[n, j, None].to(x.dtype))
+
+
+def _check(x, expert_ids, weights, num_experts, capacity):
+    """ValueError, before any communication, for inputs the contract does not cover."""
+    if x.dim() != 2 or expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0] or \
+            weights.shape != expert_ids.shape or expert_ids.dtype != torch.int64:
+        raise ValueError(f"x must be (N, d) and expert_ids (int64) and weights both (N, k); got "
+                         f"{tuple(x.shape)}, {tuple(expert_ids.shape)} {expert_ids.dtype}, "
+                         f"{tuple(weights.shape)}")
+    if expert_ids.numel() and not 0 <= int(expert_ids.min()) <= int(expert_ids.max()) < num_experts:
+        raise ValueError(f"expert ids must be in range({num_experts}) (the group's experts)")
+    ranked = expert_ids.sort(dim=1).values
+    if (ranked[:, 1:] == ranked[:, :-1]).any():
+        raise ValueError("a token is routed twice to the same expert: each row of expert_ids "
+                         "must name k distinct experts")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity must be >= 0 (or None), got {capacity}")
