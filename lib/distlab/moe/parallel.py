@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
 

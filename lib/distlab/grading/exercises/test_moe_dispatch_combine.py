@@ -20,23 +20,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab import launch
 from distlab.comm import CommLog
 from distlab.grading import expect_close, wire
+import lab10_cases
 
 NOTEBOOK = "10_long_context_experts"
 # the hint to open (1: what each rank must learn; 2: who keeps what; 3: the order of the
 # rows; 4: gradients; 5: the recipe)
-HINTS = {"test_the_output_is_one_process_moe": 1,
-         "test_the_gradients_are_one_process_gradients": 4,
-         "test_identity_experts_with_weights_one_over_k_give_back_the_input": 1,
+HINTS = {"test_identity_experts_with_weights_one_over_k_give_back_the_input": 1,
          "test_each_expert_runs_once_on_its_rows_in_rank_order": 3,
          "test_capacity_is_never_exceeded_and_the_right_assignments_drop": 2,
+         "test_the_output_is_one_process_moe": 1,
+         "test_the_gradients_are_one_process_gradients": 4,
          "test_rows_cross_once_each_way": 5,
          "test_bad_inputs_raise_before_any_communication": 2}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
-TIMEOUT = 90
 WORLDS = (1, 2, 3, 4)
 LOCAL, K, DIM, HIDDEN = 2, 2, 5, 7
 CAPACITIES = (None, 2, 0)   # no limit, a tight one (drops on every rank), everything dropped
@@ -142,20 +141,11 @@ def run_errors(fn):
 
 # ----------------------------------------------------------------- in the test process
 
-_runs, _readings = {}, {}
+_outcomes = lab10_cases.Outcomes(run_cases)
 
 
 def outcome(student, world):
-    if world not in _runs:
-        with wire.measure(world) as _readings[world]:
-            try:
-                _runs[world] = launch.run(run_cases, world, student.moe_dispatch_combine,
-                                          backend="gloo", timeout=TIMEOUT)
-            except launch.LaunchError as exc:
-                _runs[world] = exc
-    if isinstance(_runs[world], Exception):
-        raise _runs[world]
-    return _runs[world]
+    return _outcomes(student, "moe_dispatch_combine", world)
 
 
 def kept_here(ids, capacity, experts):
@@ -216,37 +206,6 @@ def each_case(runs, world):
             yield i, capacity, rank, found, what
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_the_output_is_one_process_moe(student, world):
-    runs = outcome(student, world)
-    for i, capacity, rank, found, what in each_case(runs, world):
-        want = one_process(world, capacity)[0][rank]["y"]
-        expect_close(found["y"], want, f"{what}: y (against one process running every expert "
-                     f"on this rank's tokens)", rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_the_gradients_are_one_process_gradients(student, world):
-    runs = outcome(student, world)
-    refs = {c: one_process(world, c) for c in CAPACITIES}
-    for i, capacity, rank, found, what in each_case(runs, world):
-        per_rank, grads = refs[capacity]
-        for name in ("dx", "dw"):
-            got = found[name]
-            if got is None and capacity == 0:  # nothing kept: no gradient is zero gradient
-                got = torch.zeros_like(per_rank[rank][name])
-            assert got is not None, f"{what}: {name[1:]}.grad is None: y must be differentiable " \
-                                    f"in x and in the weights"
-            expect_close(got, per_rank[rank][name], f"{what}: the gradient of "
-                         f"{'x' if name == 'dx' else 'the weights'}", rtol=0, atol=1e-12)
-        for local, pair in enumerate(found["dexperts"]):
-            e = rank * LOCAL + local
-            for pname, got, want in zip(("up", "down"), pair, grads[e]):
-                got = torch.zeros_like(want) if got is None else got
-                expect_close(got, want, f"{what}: the gradient of expert {e}'s {pname} "
-                             f"(every rank's tokens routed to it)", rtol=0, atol=1e-12)
-
-
 def test_identity_experts_with_weights_one_over_k_give_back_the_input(student):
     for world in WORLDS:
         for rank, found in enumerate(outcome(student, world)):
@@ -263,6 +222,10 @@ def test_each_expert_runs_once_on_its_rows_in_rank_order(student):
             refs = one_process(world, capacity)[0]
             for local, calls in enumerate(found["calls"]):
                 e = rank * LOCAL + local
+                if capacity is not None:   # which rows: the capacity's test
+                    assert len(calls) == 1, (f"{what}: expert {e} was called {len(calls)} "
+                                             f"times; call each expert exactly once")
+                    continue
                 assert len(calls) == 1, (f"{what}: expert {e} was called {len(calls)} times; "
                                          f"call each expert exactly once, on all of its rows")
                 want = [[src, n] for src in range(world) for n in range(tokens(world, src))
@@ -295,6 +258,37 @@ def test_capacity_is_never_exceeded_and_the_right_assignments_drop(student):
                     assert sorted(mine) == want, (
                         f"{what}: expert {e} kept rank {src}'s tokens {sorted(mine)}, expected "
                         f"{want}: first choices before second choices, then token order")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_output_is_one_process_moe(student, world):
+    runs = outcome(student, world)
+    for i, capacity, rank, found, what in each_case(runs, world):
+        want = one_process(world, capacity)[0][rank]["y"]
+        expect_close(found["y"], want, f"{what}: y (against one process running every expert "
+                     f"on this rank's tokens)", rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_the_gradients_are_one_process_gradients(student, world):
+    runs = outcome(student, world)
+    refs = {c: one_process(world, c) for c in CAPACITIES}
+    for i, capacity, rank, found, what in each_case(runs, world):
+        per_rank, grads = refs[capacity]
+        for name in ("dx", "dw"):
+            got = found[name]
+            if got is None and capacity == 0:  # nothing kept: no gradient is zero gradient
+                got = torch.zeros_like(per_rank[rank][name])
+            assert got is not None, f"{what}: {name[1:]}.grad is None: y must be differentiable " \
+                                    f"in x and in the weights"
+            expect_close(got, per_rank[rank][name], f"{what}: the gradient of "
+                         f"{'x' if name == 'dx' else 'the weights'}", rtol=0, atol=1e-12)
+        for local, pair in enumerate(found["dexperts"]):
+            e = rank * LOCAL + local
+            for pname, got, want in zip(("up", "down"), pair, grads[e]):
+                got = torch.zeros_like(want) if got is None else got
+                expect_close(got, want, f"{what}: the gradient of expert {e}'s {pname} "
+                             f"(every rank's tokens routed to it)", rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -334,21 +328,12 @@ def test_rows_cross_once_each_way(student, world):
         ids, keep = refs[rank]["ids"], refs[rank]["keep"]
         away = int((keep & (ids // LOCAL != rank)).sum())
         crossing += 2 * away * row * 2 + LOCAL * world * 8  # out and back, forward and backward
-    wire.at_most(_readings[world], crossing,
+    wire.at_most(_outcomes.reading[world], crossing,
                  f"moe_dispatch_combine on {world} ranks, all cases (each row that leaves its "
                  f"rank crosses once out and once back, forward and backward)")
 
 
 def test_bad_inputs_raise_before_any_communication(student):
-    try:
-        found = launch.run(run_errors, 2, student.moe_dispatch_combine, backend="gloo",
-                           timeout=30)
-    except launch.LaunchTimeout:
-        raise AssertionError("bad inputs hung the ranks: raise ValueError before any "
-                             "communication") from None
-    for rank, per in enumerate(found):
-        for what, (kind, calls) in per.items():
-            assert kind == "ValueError" and calls == 0, (
-                f"rank {rank}, {what}: moe_dispatch_combine "
-                f"{'returned' if kind == 'returned' else 'raised ' + kind} after {calls} "
-                f"communication call(s); raise ValueError before any")
+    lab10_cases.check_errors(student, "moe_dispatch_combine", run_errors, "a token routed twice "
+                             "to one expert, an id out of range, weights shaped unlike the ids, "
+                             "a negative capacity")
