@@ -22,6 +22,7 @@ steps it is back on the rank that owns the block.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,9 @@ def ring_attention(q, k, v, seq_len: int, group=None, *, causal: bool = False,
     """Softmax attention of this rank's queries over the whole sequence's keys and values
     (scale ``1/sqrt(D)``), each of ``q, k, v`` this rank's tokens (B, H, T_r, D) of a
     ``seq_len``-token sequence cut by ``layout``; differentiable. ``stats``, when given,
-    gets ``"blocks"`` and ``"scores"``: the chunk pairs and score elements computed."""
+    gets ``"blocks"`` and ``"scores"``: the chunk pairs and score elements computed
+    forward, and ``"compute_s"``: the seconds spent computing them, forward and then
+    backward added (waits for blocks excluded)."""
     world, rank = _place(group)
     mine = bounds(seq_len, world, rank, layout)
     local = sum(b - a for a, b in mine)
@@ -104,6 +107,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         blocks = scores = 0
+        busy = 0.0
         for step in range(world):
             src = (rank - step) % world
             works, incoming = [], None
@@ -111,6 +115,7 @@ class _RingAttention(torch.autograd.Function):
                 n = sum(b - a for a, b in bounds(seq_len, world, (src - 1) % world, layout))
                 incoming = kv.new_empty((2, *k.shape[:2], n, k.shape[-1]))
                 works = _exchange([kv], [incoming], prev, nxt, group)
+            start = time.perf_counter()
             for qs, ks, mask in _pairs(seq_len, world, rank, src, layout, causal):
                 s = _scores(qa[:, :, qs], kv[0][:, :, ks].to(acc), mask, scale)
                 l_b = torch.logsumexp(s, -1)
@@ -118,20 +123,21 @@ class _RingAttention(torch.autograd.Function):
                 o_b = p @ kv[1][:, :, ks].to(acc)
                 out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o_b, l_b)
                 blocks, scores = blocks + 1, scores + s.shape[-2] * s.shape[-1]
+            busy += time.perf_counter() - start
             for work in works:
                 work.wait()
             if incoming is not None:
                 kv = incoming
         if stats is not None:
-            stats.update(blocks=blocks, scores=scores)
+            stats.update(blocks=blocks, scores=scores, compute_s=busy)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (seq_len, group, causal, layout)
+        ctx.args = (seq_len, group, causal, layout, stats)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, out, lse = ctx.saved_tensors
-        seq_len, group, causal, layout = ctx.args
+        seq_len, group, causal, layout, stats = ctx.args
         world, rank = _place(group)
         prev, nxt = ring_neighbours(group) if world > 1 else (0, 0)
         acc, scale = out.dtype, 1.0 / math.sqrt(q.shape[-1])
@@ -141,8 +147,10 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qa)
         kv = torch.stack((k, v)).contiguous()
         dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+        busy = 0.0
         for step in range(world):
             src = (rank - step) % world
+            start = time.perf_counter()
             for qs, ks, mask in _pairs(seq_len, world, rank, src, layout, causal):
                 kb, vb = kv[0][:, :, ks].to(acc), kv[1][:, :, ks].to(acc)
                 p = torch.exp(_scores(qa[:, :, qs], kb, mask, scale) - base[:, :, qs, None])
@@ -150,6 +158,7 @@ class _RingAttention(torch.autograd.Function):
                 ds = p * (do[:, :, qs] @ vb.transpose(-1, -2) - delta[:, :, qs, None])
                 dq[:, :, qs] += (ds @ kb) * scale
                 dkv[0][:, :, ks] += (ds.transpose(-1, -2) @ qa[:, :, qs]) * scale
+            busy += time.perf_counter() - start
             if world == 1:
                 break
             # the accumulators go on with their block; after the last step, home
@@ -165,5 +174,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = next_dkv
             if step < world - 1:
                 kv = next_kv
+        if stats is not None:
+            stats["compute_s"] = stats.get("compute_s", 0.0) + busy
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
                 None, None, None, None, None)
