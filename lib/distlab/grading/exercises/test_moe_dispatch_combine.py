@@ -10,7 +10,9 @@ experts on each rank's tokens, written here with its own loops (fp64).
 
 Traffic: the CommLog gives the calls and their bytes (self-reported); the bytes on the
 wire during each launch are bounded by what the rows that leave their rank weigh (a
-rank's rows for its own experts need not cross), forward and backward, plus the counts.
+rank's rows for its own experts need not cross), forward and backward, plus the counts
+and gloo's headers of a message between every pair of ranks per call (measured: at 4
+ranks an all-to-all of a few hundred bytes moves about twice its payload).
 """
 import sys
 
@@ -328,6 +330,9 @@ def test_rows_cross_once_each_way(student, world):
         ids, keep = refs[rank]["ids"], refs[rank]["keep"]
         away = int((keep & (ids // LOCAL != rank)).sum())
         crossing += 2 * away * row * 2 + LOCAL * world * 8  # out and back, forward and backward
+    # gloo's all-to-all sends a message (with its headers) between every pair of ranks:
+    # five calls per case by the contract (counts, rows out and back, their gradients)
+    crossing += len(CAPACITIES) * 5 * world * (world - 1) * wire.MESSAGE
     wire.at_most(_outcomes.reading[world], crossing,
                  f"moe_dispatch_combine on {world} ranks, all cases (each row that leaves its "
                  f"rank crosses once out and once back, forward and backward)")
