@@ -211,6 +211,39 @@ def train(ctx: Context) -> Verdict:
          "ours MFU", "torch MFU"], rows)})
 
 
+def cp(ctx: Context) -> Verdict:
+    from distlab.bench import cp as cp_bench
+
+    out = ctx.scratch / "cp"
+    proc = ctx.python("-m", "distlab.bench.cp", "--world-size", "2", "--out", out)
+    data = _json(out / "cp_bench.json", proc)
+    misses = cp_bench.goal_misses(data["rows"])
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    rows = [[r["seq_len"], 1e3 * r["ours_median_s"],
+             None if r["torch_median_s"] is None else 1e3 * r["torch_median_s"], r["ratio"],
+             r["contiguous_balance"], r["zigzag_balance"], r["error"]] for r in data["rows"]]
+    return Verdict(misses, {**data, "table": _table(
+        ["tokens", "ours fwd+bwd (ms)", "torch context_parallel (ms)", "ours / torch",
+         "contiguous max/min rank time", "zigzag max/min rank time", "bf16 error"], rows)})
+
+
+def ep(ctx: Context) -> Verdict:
+    from distlab.bench import ep as ep_bench
+
+    out = ctx.scratch / "ep"
+    proc = ctx.python("-m", "distlab.bench.ep", "--world-size", "2", "--out", out)
+    data = _json(out / "ep_bench.json", proc)
+    misses = ep_bench.goal_misses(data["rows"])
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    rows = [[r["tokens"], r["bytes"], 1e3 * r["seconds"], r["busbw"] / 1e9, r["a2a_busbw"] / 1e9,
+             r["ratio"]] for r in data["rows"]]
+    return Verdict(misses, {**data, "table": _table(
+        ["tokens per rank", "bytes of rows", "dispatch+combine (ms)", "its busbw (GB/s)",
+         "all_to_all_single busbw (GB/s)", "ratio"], rows)})
+
+
 def fp8(ctx: Context) -> Verdict:
     from distlab.bench import fp8 as fp8_bench
 
@@ -309,6 +342,8 @@ def grader_tiers(ctx: Context) -> Verdict:
 
 
 def _register_all() -> None:
+    from distlab.bench import cp as cp_bench
+    from distlab.bench import ep as ep_bench
     from distlab.bench import fp8 as fp8_bench
     from distlab.bench import pp as pp_bench
     from distlab.bench import tp as tp_bench
@@ -347,6 +382,14 @@ def _register_all() -> None:
               f"torch.distributed.pipelining's Schedule1F1B) at (dp, tp, pp) = "
               f"{', '.join(f'({lay})' for lay in train_bench.LAYOUTS)}, bf16, 2 NCCL ranks, on "
               f"every link (NVLink, host memory, sockets); torch's side runs in each", train),
+        Check("cp", 2, 420, f"distlab.cp's ring attention (zigzag, causal, bf16, forward and "
+              f"backward) within {cp_bench.GOALS['ours / torch']}x the time of torch's "
+              f"context_parallel on the same shapes, alternated; the zigzag ranks' times within "
+              f"{cp_bench.GOALS['zigzag max/min']}x of each other; within 1e-3·W of fp64 SDPA "
+              f"(2 NCCL ranks)", cp),
+        Check("ep", 2, 300, f"distlab.moe's expert-parallel dispatch+combine at least "
+              f"{ep_bench.GOAL} of all_to_all_single's bus bandwidth at the same bytes (2 NCCL "
+              f"ranks, bf16, d_model {ep_bench.D_MODEL})", ep),
         Check("fp8", 1, 900, f"torchao's float8 training (tensorwise) against BF16, compiled, "
               f"1 GPU: a linear layer's forward and backward >= {f8['linear speedup']}x at the "
               f"largest shape (the crossover shape printed); the {fp8_bench.BIG} GPT step >= "

@@ -166,6 +166,14 @@ def ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor | None:
 # ------------------------------------------------------------------ the algorithm
 
 
+def neighbours(group=None) -> tuple[int, int]:
+    """(previous, next): the global ranks (as send/recv want them) this rank receives
+    from and sends to in the ring of ``group``, group rank r-1 and r+1 modulo K."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return ranks[(rank - 1) % size], ranks[(rank + 1) % size]
+
+
 def _flat(tensor, who: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{who}: expected a torch.Tensor, got {type(tensor).__name__}")
@@ -200,9 +208,7 @@ class _Ring:
     def __init__(self, group=None, lookahead: int | None = None):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        self.next = ranks[(self.rank + 1) % self.size]   # global ranks, as send/recv want
-        self.prev = ranks[(self.rank - 1) % self.size]
+        self.prev, self.next = neighbours(group)
         self.lookahead = LOOKAHEAD if lookahead is None else lookahead
         self.backend = dist.get_backend(group)
 

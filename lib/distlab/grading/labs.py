@@ -72,6 +72,11 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "distributed_train_step": ("distlab.train:Trainer", "distlab.train:build",
                                "distlab.train:train", "distlab.train:_Bucket",
                                "distlab.train:_Shards", "distlab.reference.zero:reduce_grads"),
+    "ring_attention": ("distlab.cp._reference:ring_attention",
+                       "distlab.cp._reference:_RingAttention"),
+    # kept() is the contract's drop rule, combine_local the one-process layer's sum
+    "moe_dispatch_combine": ("distlab.moe._reference:moe_dispatch_combine",
+                             "distlab.moe.layer:kept", "distlab.moe.layer:combine_local"),
     # lab 10: the casts of distlab.fp8 are the exercise's own few lines
     "fp8_linear": tuple(f"distlab.fp8:{n}" for n in (
         "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),

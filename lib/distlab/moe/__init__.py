@@ -1,0 +1,16 @@
+"""Mixture of experts and expert parallelism.
+
+- :mod:`~distlab.moe.router`: top-k routing, capacity, the load-balancing loss;
+- :mod:`~distlab.moe.layer`: the :class:`MoE` layer in one process (capacity and
+  dropping) and :func:`moe_gpt`, the kit's GPT with MoE blocks;
+- :mod:`~distlab.moe.parallel`: :func:`expert_parallel` (E experts over W ranks,
+  dispatch and combine over ``all_to_all_single``) and :func:`sync_gradients`.
+
+The planner (:mod:`distlab.planner`) has no ep dimension yet.
+"""
+from distlab.moe.layer import MoE, aux_loss, moe_gpt, moe_layers
+from distlab.moe.parallel import expert_parallel, sync_gradients
+from distlab.moe.router import Routing, capacity, load_balancing_loss, route
+
+__all__ = ["MoE", "Routing", "aux_loss", "capacity", "expert_parallel", "load_balancing_loss",
+           "moe_gpt", "moe_layers", "route", "sync_gradients"]

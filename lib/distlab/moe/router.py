@@ -1,0 +1,54 @@
+"""The router of a mixture-of-experts layer: which experts each token goes to, with
+which weight, how many an expert may take, and the loss that keeps them balanced.
+
+* :func:`route`: top-k of the softmax over the experts (Shazeer et al. 2017,
+  "Outrageously Large Neural Networks"; GShard, Lepikhin et al. 2020, k = 2). The
+  weights are the chosen experts' probabilities, not renormalised, so a token whose
+  router hesitates puts less into the sum.
+* :func:`capacity`: the most assignments one expert takes from a batch of tokens,
+  ``ceil(factor · tokens · k / experts)`` (Switch Transformer, Fedus et al. 2021,
+  section 2.2); the rest are dropped, and the residual connection carries those tokens.
+* :func:`load_balancing_loss`: Switch's auxiliary loss ``E · sum_e f_e P_e``, f_e the
+  fraction of the assignments that went to expert e and P_e its mean probability; 1 when
+  the load is even, E when one expert takes everything.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+
+@dataclasses.dataclass
+class Routing:
+    expert_ids: torch.Tensor   # (N, k) int64, distinct experts per token, best first
+    weights: torch.Tensor      # (N, k) the chosen experts' probabilities (differentiable)
+    probs: torch.Tensor        # (N, E) the router's softmax
+
+
+def route(logits: torch.Tensor, k: int) -> Routing:
+    """Top-``k`` routing of (N, E) router logits."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"k = {k} experts per token, but there are {logits.shape[-1]}: "
+                         f"choose 1 <= k <= {logits.shape[-1]}")
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    weights, ids = probs.topk(k, dim=-1)
+    return Routing(ids, weights, probs)
+
+
+def capacity(num_tokens: int, num_experts: int, k: int, factor: float | None) -> int | None:
+    """Assignments one expert takes from ``num_tokens`` tokens (None: no limit)."""
+    if factor is None:
+        return None
+    if factor <= 0:
+        raise ValueError(f"capacity factor must be > 0 (or None for no limit), got {factor}")
+    return math.ceil(factor * num_tokens * k / num_experts)
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss over one batch's routing."""
+    num_experts = probs.shape[-1]
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts)
+    f = counts.to(probs.dtype) / expert_ids.numel()
+    return num_experts * (f * probs.mean(0)).sum()

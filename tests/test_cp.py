@@ -1,0 +1,141 @@
+"""distlab.cp: the layouts cover the sequence once and balance causal work as claimed;
+the library's ring attention equals whole-sequence attention (outputs and gradients,
+fp64, both layouts, causal and not, an uneven length) with W-1 K/V sends forward and
+the block counts of each layout; Ulysses equals it too and refuses a degree that does
+not divide the heads. One launch at 3 ranks (uneven everything), one at 2 for Ulysses."""
+import sys
+
+import cloudpickle
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab import launch
+from distlab.comm import SENDS, CommLog
+from distlab.cp import causal_pairs, positions, ring_attention, shard, ulysses_attention, unshard
+from distlab.cp.layout import bounds
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
+
+TOL = dict(rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_every_token_is_held_by_exactly_one_rank(layout):
+    for world in (1, 2, 3, 4):
+        for n in (0, 1, 2 * world - 1, 4 * world + 3):
+            held = torch.cat([positions(n, world, r, layout) for r in range(world)])
+            assert sorted(held.tolist()) == list(range(n))
+            x = torch.arange(2 * n).reshape(1, n, 2)
+            assert torch.equal(unshard([shard(x, world, r, layout, dim=1) for r in range(world)],
+                                       layout, dim=1), x)
+
+
+def test_zigzag_balances_causal_work_and_contiguous_does_not():
+    for world in (2, 4, 8):
+        zig, con = causal_pairs(4096, world, "zigzag"), causal_pairs(4096, world, "contiguous")
+        assert sum(zig) == sum(con) == 4096 * 4097 // 2
+        assert max(zig) / min(zig) < 1.01                # within the rounding of chunk sizes
+        assert max(con) / min(con) > 2 * world - 2       # exactly 2W-1 at an even split
+
+
+def test_bad_layouts_and_ranks_are_refused():
+    with pytest.raises(ValueError, match="unknown layout"):
+        bounds(8, 2, 0, "striped")
+    with pytest.raises(ValueError, match="not in range"):
+        positions(8, 2, 2)
+
+
+def whole(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 4, n, 3, generator=g, dtype=torch.float64) for _ in range(4)]
+
+
+CASES = [(layout, causal) for layout in ("contiguous", "zigzag") for causal in (False, True)]
+
+
+def ring_cases(n):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for layout, causal in CASES:
+        q, k, v, do = (shard(t, world, rank, layout) for t in whole(n))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        stats = {}
+        with CommLog() as log:
+            o = ring_attention(q, k, v, n, causal=causal, layout=layout, stats=stats)
+        o.backward(do)
+        out.append((o.detach(), q.grad, k.grad, v.grad, log.nbytes(SENDS),
+                    {e.peer for e in log.select(SENDS)}, stats["blocks"]))
+    return out
+
+
+def reference(n, causal):
+    q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(whole(n)))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def test_ring_attention_is_whole_sequence_attention():
+    world, n = 3, 17                       # 17 tokens: uneven in both layouts
+    runs = launch.run(ring_cases, world, n, backend="gloo", timeout=60)
+    for i, (layout, causal) in enumerate(CASES):
+        for got, want in zip(zip(*[r[i][:4] for r in runs]), reference(n, causal)):
+            torch.testing.assert_close(unshard(list(got), layout), want, **TOL)
+        for rank, r in enumerate(runs):
+            kv = [2 * 2 * 4 * 3 * 8 * positions(n, world, s, layout).numel() for s in range(world)]
+            assert r[i][4] == sum(kv) - kv[(rank + 1) % world]   # all blocks but the next's
+            assert r[i][5] == {(rank + 1) % world}
+        blocks = [r[i][6] for r in runs]
+        if layout == "zigzag" and causal:     # r+1 pairs for chunk r, 2W-r for chunk 2W-1-r
+            assert blocks == [2 * world + 1] * world
+        if layout == "contiguous" and causal:
+            assert blocks == [1, 2, 3]
+
+
+def test_ring_attention_on_one_process_needs_no_group():
+    q, k, v, _ = whole(5)
+    torch.testing.assert_close(ring_attention(q, k, v, 5, causal=True),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
+    with pytest.raises(ValueError, match="this rank's"):
+        ring_attention(q[:, :, 1:], k, v, 5)
+
+
+def ulysses_case(n, heads):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, do = (shard(t[:, :heads], world, rank) for t in whole(n))
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    try:
+        o = ulysses_attention(q, k, v, causal=True)
+    except ValueError as exc:
+        return str(exc)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def test_ulysses_is_whole_sequence_attention_and_needs_heads_divisible():
+    n = 9
+    runs = launch.run(ulysses_case, 2, n, 4, backend="gloo", timeout=60)
+    q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(whole(n)))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o.backward(do)
+    for got, want in zip(zip(*runs), (o.detach(), q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(unshard(list(got)), want, **TOL)
+    refused = launch.run(ulysses_case, 2, n, 3, backend="gloo", timeout=60)
+    assert all("multiple of" in r for r in refused)
+
+
+def gpu_case(n):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    q, k, v, _ = (shard(t, world, rank, "zigzag").to(dev, torch.bfloat16) for t in whole(n))
+    return ring_attention(q, k, v, n, causal=True, layout="zigzag").float().cpu()
+
+
+@pytest.mark.multigpu
+def test_ring_attention_in_bf16_on_gpus():
+    n = 1025
+    got = unshard(launch.run(gpu_case, 2, n, backend="nccl", timeout=120), "zigzag")
+    want = reference(n, True)[0]
+    assert (got.double() - want).abs().max() <= 2e-3 * want.abs().max()

@@ -1,0 +1,72 @@
+"""Lab 10's core exercises, ring_attention and moe_dispatch_combine, graded on wrong
+answers a student plausibly writes: each must lose points, with a first failing check
+that names the mistake.
+
+Each mutant is the solution's cell with a few lines changed, graded by the real grader
+(``runner.grade(path, only=[exercise], first_failure=True)``), one after the other,
+each stopped at its first failing check.
+"""
+import pytest
+
+from mutants import assert_named, grade_mutants
+
+LAB = "10_long_context_experts"
+
+RING = {
+    # the known bug class: backward attends to the block of the first step at every step
+    # (the forward is right, the gradients silently wrong on an even split; on an uneven
+    # one the ranks' sizes disagree and gloo aborts)
+    "stale_kv_backward": [("            kb, vb = kv[0].to(acc), kv[1].to(acc)",
+                           "            kb, vb = k.to(acc), v.to(acc)")],
+    # a block's softmax against its own log-sum-exp, unguarded: a row of the block whose
+    # every score is masked gives exp(-inf - (-inf)), NaN
+    "block_without_guard": [("o_b = torch.exp(s - _finite(l_b)[..., None]) @ kv[1].to(acc)",
+                             "o_b = torch.exp(s - l_b[..., None]) @ kv[1].to(acc)")],
+    # one exchange too many: the last step passes its block on although nobody needs it
+    "extra_exchange": [("            if step < world - 1:\n                n = positions(seq_len, world, "
+                        "(src - 1) % world, layout).numel()\n                nxt_kv",
+                        "            if world > 1:\n                n = positions(seq_len, world, "
+                        "(src - 1) % world, layout).numel()\n                nxt_kv")],
+}
+
+MOE = {
+    # capacity filled in token order, a token's second choice before a later first choice
+    "drops_in_token_order": [("        for j in range(expert_ids.shape[1]):\n"
+                              "            hot = F.one_hot(expert_ids[:, j], num_experts)\n"
+                              "            slot = (taken + hot.cumsum(0) - 1).gather(1, expert_ids[:, j:j + 1])[:, 0]\n"
+                              "            keep[:, j] = slot < capacity\n"
+                              "            taken += hot.sum(0)",
+                              "        flat = expert_ids.reshape(-1)\n"
+                              "        hot = F.one_hot(flat, num_experts)\n"
+                              "        slot = (hot.cumsum(0) - 1).gather(1, flat[:, None])[:, 0]\n"
+                              "        keep = (slot < capacity).reshape(expert_ids.shape)")],
+    # the experts' outputs summed without the router's weights
+    "unweighted_sum": [("back * weights[n, j].unsqueeze(1).to(x.dtype)", "back")],
+    # the rows sent out of autograd's sight: no gradient reaches x on more than one rank
+    "detached_dispatch": [("rows = _AllToAllRows.apply(rows, out_splits, in_splits, group)",
+                           "rows = _AllToAllRows.apply(rows.detach(), out_splits, in_splits, group)")],
+}
+
+MAX_POINTS = {"ring_attention": 21, "moe_dispatch_combine": 16}
+# name -> (verdict, what its first failing check must say)
+EXPECTED = {
+    "stale_kv_backward": ("fail", ["test_an_even_split",
+                                      "the forward is right"]),
+    "block_without_guard": ("fail", ["test_an_even_split", "NaN",
+                                        "every score is masked"]),
+    "extra_exchange": ("partial", ["test_forward_sends_each_block_once_around_the_ring",
+                                   "but the next one"]),
+    "drops_in_token_order": ("partial", ["test_capacity_is_never_exceeded_and_the_right_"
+                                         "assignments_drop", "first choices before second"]),
+    "unweighted_sum": ("fail", ["test_identity_experts_with_weights_one_over_k_give_back_"
+                                   "the_input", "y must be x"]),
+    "detached_dispatch": ("partial", ["test_the_gradients_are_one_process_gradients",
+                                      "x.grad is None"]),
+}
+
+
+@pytest.mark.parametrize("name", list(RING) + list(MOE))
+def test_a_mutant_fails_and_its_mistake_is_named(tmp_path, name):
+    exercise, changes = ("ring_attention", RING) if name in RING else ("moe_dispatch_combine", MOE)
+    result = grade_mutants(tmp_path, LAB, exercise, {name: changes[name]})[name]
+    assert_named(result, name, exercise, MAX_POINTS[exercise], *EXPECTED[name])
