@@ -214,7 +214,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     the tests after it count as not run), as the kit's tests of wrong answers grade."""
     import nbformat
 
-    from distlab.grading import hints, labs, notebook
+    from distlab.grading import hints, labs, notebook, sandbox
     from distlab.runtime import privileges
 
     every = labs.exercises(tests_dir)
@@ -251,8 +251,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
-        env.update(_hiding(Path(tmp), user, tests_dir))
-        env.update(_private_tmp(Path(tmp), tests_dir, user))
+        env.update(sandbox.rank_sandbox(Path(tmp), module, user))
         first = True
         while first or to_run:
             files_now = [files[n] for n in wanted if n in to_run or (first and n in counted_only)]
@@ -321,42 +320,6 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
             f"not an exercise of {lab}" + (f" (it belongs to {owner})" if owner else "") +
             ": ignored, it earns nothing here")))
     return results
-
-
-def _hiding(tmp: Path, user: str, tests_dir: Path) -> dict:
-    """The environment that makes graded ranks hide the library's answers' source files
-    (and the kit's solutions/, git history and tests, the exercise tests among them, whose
-    cases could compute the expected values) before they drop root: only where the
-    grader is root and can make namespaces (see :func:`distlab.runtime.privileges.hide_sources`)."""
-    from distlab.grading import labs, sandbox
-
-    if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
-        return {}
-    stub = tmp / "hidden.py"
-    stub.write_text(f"raise RuntimeError({labs.HIDDEN!r})\n")
-    stub.chmod(0o444)
-    empty = tmp / "hidden"
-    empty.mkdir(mode=0o555)
-    kit = Path(__file__).resolve().parents[3]
-    # the kit's solutions, its git history and a build's copy of the library hold the
-    # answers; the tests hold the expected values (the ranks get the tests' helpers by value)
-    paths = [str(p) for p in (kit / "solutions", kit / ".git", kit / "build", kit / "tests",
-                              labs.TESTS, tests_dir) if p.is_dir()]
-    return {"DISTLAB_SANDBOX_HIDE": json.dumps({"modules": labs.hidden_modules(), "paths": paths,
-                                                "stub": str(stub), "empty": str(empty)})}
-
-
-def _private_tmp(tmp: Path, tests_dir: Path, user: str) -> dict:
-    """The environment that gives the contained run a /tmp and /dev/shm of its own (root
-    and namespaces; see :func:`distlab.grading.sandbox._private_tmp`), keeping the
-    folders the run needs: the grader's, the tests', Python's path."""
-    from distlab.grading import sandbox
-
-    if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
-        return {}
-    keep = [str(tmp), str(tests_dir), sys.prefix, sys.exec_prefix,  # a venv under /tmp too
-            *os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
-    return {"DISTLAB_PRIVATE_TMP": os.pathsep.join(k for k in keep if k)}
 
 
 def _readable_notebook(path: Path) -> str:

@@ -87,6 +87,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -414,29 +415,125 @@ def _sweep(deadline: float) -> None:
         time.sleep(0.02)
 
 
-PRIVATE = ("/tmp", "/dev/shm")  # a fresh tmpfs each, in the run's own mount namespace
+# ------------------------------------------------------------------ the ranks' sandbox
+
+TMPFS_MB = int(os.environ.get("DISTLAB_GRADE_TMPFS_MB", 64))      # each of /tmp, /var/tmp, /dev/shm
+PROCESSES = int(os.environ.get("DISTLAB_GRADE_PROCESSES", 256))   # tasks (threads too) per rank
 
 
-def _private_tmp(keep: list[str]) -> None:
-    """In the mount namespace of a contained run (its PID 1, as root): a fresh, empty
-    /tmp and /dev/shm that the run's processes share and that vanish with it, so that
-    nothing the student's code leaves there outlives grading, nor meets another run.
-    The folders of ``keep`` under /tmp (the grader's own, the tests) are bound back in."""
-    from distlab.runtime.privileges import MS_BIND, MS_NODEV, MS_NOSUID, MS_PRIVATE, \
-        MS_REC, mount
+def _kit_checkout() -> Path | None:
+    """The checkout the package was imported from (it holds solutions/ or .git), if any."""
+    import distlab
 
-    mount(None, "/", None, MS_REC | MS_PRIVATE)
-    held = []
-    for path in dict.fromkeys(os.path.realpath(k) for k in keep):
-        if path.startswith("/tmp/") and os.path.isdir(path):
-            held.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)))
-    for place in PRIVATE:
-        if os.path.isdir(place):
-            mount("tmpfs", place, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
-    for path, fd in held:
-        os.makedirs(path, mode=0o755, exist_ok=True)
-        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-        os.close(fd)
+    root = Path(distlab.__file__).resolve().parents[2]
+    return root if (root / "solutions").is_dir() or (root / ".git").exists() else None
+
+
+def _answer_files(package: Path) -> set[str]:
+    """The source files of the modules that hold the library's answers (found by name:
+    importing them here would import torch)."""
+    from distlab.grading import labs
+
+    found = set()
+    for name in labs.hidden_modules():
+        base = package.joinpath(*name.split(".")[1:])
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                found.add(str(path))
+    return found
+
+
+def _package_view(dest: Path) -> Path:
+    """A copy of the package without the exercise tests and the answer modules (nor their
+    bytecode): what graded ranks see in its place. Milliseconds (~1.5 MB)."""
+    import shutil
+
+    import distlab
+
+    package = Path(distlab.__file__).resolve().parent
+    answers = _answer_files(package)
+    hidden_caches = {(os.path.dirname(a), Path(a).stem) for a in answers}
+    tests = str(package / "grading" / "exercises")
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        left = set()
+        for name in names:
+            path = os.path.join(folder, name)
+            if path == tests or path in answers or (
+                    os.path.basename(folder) == "__pycache__" and
+                    (os.path.dirname(folder), name.split(".")[0]) in hidden_caches):
+                left.add(name)
+        return left
+
+    shutil.copytree(package, dest, ignore=ignore, symlinks=True)
+    return dest
+
+
+def _readable_paths(kit: Path | None) -> list[str]:
+    """What a rank needs to read: the Python installation and its site-packages, the
+    folder holding the package; nothing else of the kit's checkout."""
+    import distlab
+
+    def inside(path: str, folder: Path | str) -> bool:
+        return os.path.commonpath([path, str(folder)]) == str(folder)
+
+    found = [os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix),
+             str(Path(distlab.__file__).resolve().parents[1])]
+    for entry in sys.path:
+        path = os.path.realpath(entry) if entry else ""
+        if path and os.path.isdir(path) and (
+                kit is None or not inside(path, kit) or inside(path, os.path.realpath(sys.prefix))):
+            found.append(path)
+    return found
+
+
+def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str]) -> dict:
+    import distlab
+
+    from distlab.runtime import confine
+
+    kit = _kit_checkout()
+    root = tmp / "root"
+    root.mkdir(mode=0o755)
+    sp = confine.spec(package=str(Path(distlab.__file__).resolve().parent),
+                      package_view=str(_package_view(tmp / "view" / "distlab")),
+                      readable=_readable_paths(kit), hidden_roots=[str(kit)] if kit else [],
+                      new_root=str(root), files=files, tmpfs_mb=TMPFS_MB,
+                      processes=PROCESSES, modules=modules)
+    if run_as:
+        sp["probe_user"] = list(run_as)
+    return sp
+
+
+@functools.lru_cache(maxsize=None)
+def confinement() -> str:
+    """"" when graded ranks can be confined here (:mod:`distlab.runtime.confine`; checked
+    once, in a forked probe), else why not."""
+    import tempfile
+
+    from distlab.runtime import confine, privileges
+
+    if sys.platform != "linux":
+        return f"no sandbox on {sys.platform}"
+    user, _ = privileges.unprivileged_user()
+    run_as = tuple(int(x) for x in user.split(":")) if user else None
+    with tempfile.TemporaryDirectory(prefix="distlab-probe-") as tmp:
+        os.chmod(tmp, 0o755)
+        return confine.available(_spec(Path(tmp), [], run_as, []))
+
+
+def rank_sandbox(tmp: Path, module: Path, user: str) -> dict:
+    """The environment that confines every graded rank of a grading run
+    (:mod:`distlab.runtime.confine`): the rank's root is built from ``tmp`` (the run's own
+    folder); the student's ``module`` is the one file of it the ranks see. {} where
+    :func:`confinement` says it cannot be done here."""
+    from distlab.grading import labs
+    from distlab.runtime import confine
+
+    if confinement():
+        return {}
+    run_as = tuple(int(x) for x in user.split(":")) if user else None
+    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, labs.hidden_modules()))}
 
 
 def _init(cmd: list[str]) -> int:
@@ -444,9 +541,6 @@ def _init(cmd: list[str]) -> int:
     kill every process left below. SIGTERM stops ``cmd`` early."""
     if os.getpid() != 1:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
-    keep = os.environ.pop("DISTLAB_PRIVATE_TMP", None)
-    if keep is not None and os.getpid() == 1:
-        _private_tmp([k for k in keep.split(os.pathsep) if k])
     os.environ.pop("DISTLAB_WIRE", None)  # only a loopback brought up here is counted
     if os.getpid() == 1:
         from distlab.grading import wire
