@@ -230,9 +230,11 @@ def test_calling_or_reloading_the_librarys_answer_scores_zero(tmp_path):
     for name in _CALLS:
         r = results[name]
         assert (r["points"], r["max_points"]) == (0, 1), r
-        assert "this is the library's answer" in r["message"], r
-    if os.geteuid() == 0:  # the file re-loaded is the stub: the source is hidden
-        assert "its source is hidden while grading" in results["shard_range"]["message"]
+        if name == "shard_range" and not sandbox.confinement():
+            assert "No such file" in r["message"], r  # its file is not in the rank's root
+        else:
+            assert (r["verdict"], r["hint"]) == ("refused", ""), r
+            assert r["message"].startswith(labs.REFUSAL), r
 
 
 def test_subclassing_the_librarys_answer_scores_zero(tmp_path):
@@ -246,43 +248,111 @@ def test_subclassing_the_librarys_answer_scores_zero(tmp_path):
 
 
 _PROBE = '''
-for _folder in ("/tmp", "/dev/shm"):  # left behind, if these are the machine's
+import glob as _glob, os as _os, subprocess as _subprocess, sys as _sys
+
+# At import, in every rank of both exercises: what an earlier exercise's ranks left in
+# /tmp, /var/tmp or /dev/shm; then leave marks there, and a detached process behind.
+_TAG = _os.path.basename(_os.environ.get("DISTLAB_DIR", "x"))
+_CARRIED = [p for f in ("/tmp", "/var/tmp", "/dev/shm") for p in _glob.glob(f"{f}/MARK-*")
+            if not p.endswith(_TAG)]
+for _folder in ("/tmp", "/var/tmp", "/dev/shm"):
     try:
-        with open(f"{_folder}/MARK", "w") as _f:
+        with open(f"{_folder}/MARK-{_TAG}", "w") as _f:
             _f.write("left behind by a student")
     except OSError:
         pass
+_subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(120)", "MARK"],
+                  start_new_session=True, stdin=_subprocess.DEVNULL,
+                  stdout=_subprocess.DEVNULL, stderr=_subprocess.DEVNULL)
 
 
-def probe():
-    import glob, os
-    import distlab.zero.step
-    found = {}
+def probe(paths, folder):
+    import ctypes, linecache, mmap, os, signal, time
+    from distlab.runtime.confine import _CALLS
+    import platform
+    found = {"visible": [p for p in paths if os.path.exists(p)], "carried": _CARRIED}
     try:
-        found["source"] = open(distlab.zero.step.__file__).read()
-    except OSError as exc:
-        found["source"] = repr(exc)
-    folder = os.path.join(os.path.dirname(distlab.zero.step.__file__), "__pycache__")
-    found["bytecode"] = [open(p, "rb").read().decode("latin-1")
-                         for p in glob.glob(os.path.join(folder, "step.*.pyc"))]
-    kit = os.path.dirname(os.path.dirname(os.path.dirname(distlab.__file__)))
-    found["solutions"] = sorted(os.listdir(os.path.join(kit, "solutions")))
-    found["git"] = sorted(os.listdir(os.path.join(kit, ".git"))) if os.path.isdir(
-        os.path.join(kit, ".git")) else []
-    import distlab.grading
-    exercises = os.path.join(os.path.dirname(distlab.grading.__file__), "exercises")
-    found["exercises"] = sorted(os.listdir(exercises))
+        found["beside"] = sorted(os.listdir(folder))
+    except OSError:
+        found["beside"] = []
+    with open("/proc/self/status") as f:
+        found["caps"] = {k: v.strip() for k, v in (line.split(":", 1) for line in f)
+                         if k.startswith("Cap")}
+    libc = ctypes.CDLL(None, use_errno=True)
+    calls = _CALLS[platform.machine()]
+    found["calls"] = {}
+    for name in ("open_by_handle_at", "name_to_handle_at", "ptrace", "process_vm_readv",
+                 "pidfd_getfd", "unshare", "mount", "setns", "bpf", "io_uring_setup"):
+        ctypes.set_errno(0)
+        arg = 0x10000000 if name == "unshare" else 0  # CLONE_NEWUSER
+        code = libc.syscall(calls[name], ctypes.c_long(arg), ctypes.c_long(0),
+                            ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0))
+        found["calls"][name] = 0 if code >= 0 else ctypes.get_errno()
+    found["linecache"] = [f for f in linecache.cache if "ring_cases" in f or "test_" in f]
+    children = []
+    for _ in range(400):  # processes: forked until refused
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+    found["forked"] = len(children)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    written = 0
+    try:  # tmpfs: /dev/shm filled until refused
+        with open("/dev/shm/fill", "wb") as f:
+            for _ in range(256):
+                f.write(b"x" * 2**20)
+                f.flush()
+                written += 2**20
+    except OSError:
+        pass
+    found["shm_mib"] = written >> 20
+    try:  # a shared mapping of 1 GiB (not the process's data: only its address space caps it)
+        m = mmap.mmap(-1, 2**30, flags=mmap.MAP_SHARED)
+        m[::2**20] = b"x" * 1024
+        found["shared_map"] = "held"
+    except (OSError, ValueError, MemoryError) as exc:
+        found["shared_map"] = type(exc).__name__
     return found
 '''
 _PROBE_TEST = '''
 
-def test_the_answers_cannot_be_read(student):
-    found = student.probe()
-    assert "def zero2_step" not in found["source"], "zero/step.py was readable"
-    assert not any("reduce_scatter_mean" in b for b in found["bytecode"]), "its .pyc was readable"
-    assert found["solutions"] == [], f"solutions/ was readable: {found['solutions']}"
-    assert found["git"] == [], "the kit's git history was readable"
-    assert found["exercises"] == [], f"the exercise tests were readable: {found['exercises']}"
+def _alive_with(mark):
+    import os
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(entry)
+        except OSError:
+            pass
+    return found
+
+
+def test_the_sandbox_holds(student):
+    import os, time
+    deadline = time.monotonic() + 5  # the first exercise's ranks were shut down just now
+    while _alive_with("MARK") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive_with("MARK"), "a process of the first exercise outlived it"
+    found = student.probe(PATHS, FOLDER)
+    assert found["visible"] == [], f"visible to a rank: {found['visible']}"
+    assert found["beside"] == [os.path.basename(KIT)], f"beside the kit: {found['beside']}"
+    assert found["carried"] == [], f"carried from an earlier exercise: {found['carried']}"
+    assert set(found["caps"].values()) == {"0000000000000000"}, found["caps"]
+    refused = {n: e for n, e in found["calls"].items() if e != 1}  # 1: EPERM
+    assert not refused, f"system calls not refused: {refused}"
+    assert found["linecache"] == [], f"the tests' source reached the rank: {found['linecache']}"
+    assert 0 < found["forked"] < PROCESSES, found["forked"]
+    assert found["shm_mib"] <= TMPFS_MB, found["shm_mib"]
+    assert found["shared_map"] != "held", "a 1 GiB shared mapping past the memory limit"
 '''
 
 # Lab 03's answers forged: gloo's all_reduce behind the tracer's back, and the sends of a
@@ -341,37 +411,54 @@ def test_ring_traffic(student):
 
 
 @ROOT_ONLY
-def test_graded_ranks_cannot_read_the_answers_leave_files_in_tmp_nor_forge_traffic(tmp_path):
-    """One grading run of lab 03 (the probe's), three defences: the answers are hidden,
-    /tmp and /dev/shm are the run's own, and a forged CommLog no longer earns the traffic
-    points that rest on the wire. The forgers all-reduce behind the tracer's back and log
-    a ring's sends: the kit's CommLog checks still pass them. ring_reduce_scatter's point
-    rests on the bytes counted on the run's own loopback, outside the ranks, and is lost
-    (an all-reduce moves twice a ring reduce-scatter); ring_allreduce's cannot (gloo's
-    all_reduce moves exactly a ring's bytes), and is kept, reported self-reported."""
+def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(tmp_path):
+    """One grading run of lab 03, two exercises, under a 512 MiB memory cap. In the ranks
+    of both, the student's module plants files in /tmp, /var/tmp and /dev/shm and leaves
+    a detached process. The second exercise's test finds: no process of the first left,
+    nothing carried over; absent from the rank's filesystem: solutions/, .git, the
+    exercise tests, the kit's tests, the answer modules' source and any other checkout
+    beside the kit; no capability; file handles, tracing, other processes' memory and
+    descriptors, namespaces, mounts, BPF and io_uring refused (EPERM); no test source in
+    the rank's linecache; forks stop below the process limit, /dev/shm at its size, a
+    1 GiB shared mapping fails. And the machine's /tmp, /var/tmp and /dev/shm hold none
+    of the marks. Meanwhile the forgers all-reduce behind the tracer's back and log a
+    ring's sends: ring_reduce_scatter's traffic point rests on the bytes counted on the
+    run's own loopback, outside the ranks, and is lost (an all-reduce moves twice a ring
+    reduce-scatter); ring_allreduce's cannot (gloo's all_reduce moves exactly a ring's
+    bytes), and is kept, reported self-reported."""
     import uuid
 
-    import distlab.zero.step  # noqa: F401  (its bytecode exists to be hidden)
+    import distlab.zero.step
 
+    if sandbox.confinement():
+        pytest.skip(f"graded ranks cannot be confined here: {sandbox.confinement()}")
     mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
+    paths = [str(p) for p in (ROOT / "solutions", ROOT / ".git", ROOT / "tests", runner.TESTS,
+                              Path(distlab.zero.step.__file__))]
+    constants = (f"PATHS = {paths!r}\nKIT = {str(ROOT)!r}\nFOLDER = {str(ROOT.parent)!r}\n"
+                 f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n")
+    ring = _RING_TESTS.format(name="ring_allreduce")
+    first = ring.index("\n\ndef test_sum")  # the probe's test first: no rank of its own yet
     tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),
-                              "ring_allreduce": _RING_TESTS.format(name="ring_allreduce")
-                              + _PROBE_TEST}, conftest=True)
+                              "ring_allreduce": ring[:first] + "\n" + constants
+                              + _PROBE_TEST.replace("MARK", mark) + ring[first:]}, conftest=True)
     (tests / "ring_cases.py").write_text((runner.TESTS / "ring_cases.py").read_text())
     path = _notebook(tmp_path, "03_ring_allreduce",
                      {"ring_reduce_scatter": _FORGERS,
                       "ring_allreduce": _PROBE.replace("MARK", mark)})
     try:
-        results, _ = _grade(tmp_path, path, tests)
-        left = [f for f in (Path("/tmp") / mark, Path("/dev/shm") / mark) if f.exists()]
+        results, _ = _grade(tmp_path, path, tests, memory=512)
+        left = [p for f in ("/tmp", "/var/tmp", "/dev/shm") for p in Path(f).glob(f"{mark}-*")]
     finally:
-        for folder in ("/tmp", "/dev/shm"):
-            (Path(folder) / mark).unlink(missing_ok=True)
+        for f in ("/tmp", "/var/tmp", "/dev/shm"):
+            for p in Path(f).glob(f"{mark}-*"):
+                p.unlink()
     assert left == [], f"the student's code left {left} on the machine"
     got = {name: (results[name]["points"], results[name]["max_points"],
                   results[name]["self_reported"])
            for name in ("ring_reduce_scatter", "ring_allreduce")}
     rs = results["ring_reduce_scatter"]
+    assert results["ring_allreduce"]["points"] == 3, results["ring_allreduce"]["message"]
     if not sandbox.network_namespace():  # nothing counted: every traffic point self-reported
         assert got == {"ring_reduce_scatter": (2, 2, 1), "ring_allreduce": (3, 3, 1)}, results
         return

@@ -76,6 +76,18 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+def _refused(exc) -> tuple[str, str] | None:
+    """("refused", message) when the test reached one of the library's answers, which
+    refuse while grading (:data:`distlab.grading.labs.REFUSAL`): such an exercise scores 0."""
+    from distlab.grading.labs import REFUSAL
+
+    text = str(exc)
+    if REFUSAL not in text:
+        return None
+    line = next(line for line in text.splitlines() if REFUSAL in line)
+    return "refused", line[line.index(REFUSAL):].strip()
+
+
 def _evidence_marks() -> tuple[int, int, int]:
     """(CommLogs rebuilt from ranks' records, wire checks with bytes counted, without)
     in this process so far: a test that rebuilt a log, or made a wire check with nothing
@@ -152,7 +164,7 @@ class _Recorder:
         outcome = yield
         report = outcome.get_result()
         if call.excinfo is not None and report.failed:
-            report.distlab_verdict = _verdict_of(call.excinfo.value)
+            report.distlab_verdict = _refused(call.excinfo.value) or _verdict_of(call.excinfo.value)
 
     def pytest_runtest_logreport(self, report):
         if self.spent.get(self.exercise.get(report.nodeid, ""), 0.0) > self.budget:

@@ -177,9 +177,11 @@ class StudentRef:
 
 
 def _defined_names(source: str) -> set[str]:
+    from distlab.grading.notebook import UNPARSABLE
+
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except UNPARSABLE:
         return set()
     names = set()
     for node in tree.body:
@@ -228,16 +230,28 @@ def _module(path: str, exercise: str = ""):
 
 def _limit_memory() -> None:
     """Cap this rank's data (RLIMIT_DATA: heap and private writable mappings, which is
-    where tensors live; not CUDA's reserved address space) at DISTLAB_GRADE_MEMORY_MB,
-    soft and hard, so the student's code cannot raise it again."""
+    where tensors live) at DISTLAB_GRADE_MEMORY_MB, soft and hard, so the student's code
+    cannot raise it again; on a gloo rank also every new mapping, shared memory included
+    (RLIMIT_AS: the address space in use now plus the same amount; not with CUDA, which
+    reserves address space by the terabyte)."""
     import resource
 
     mb = os.environ.get("DISTLAB_GRADE_MEMORY_MB")
     if mb:
         limit = int(mb) * 2**20
-        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        if hard == resource.RLIM_INFINITY or hard > limit:
-            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        caps = [(resource.RLIMIT_DATA, limit)]
+        if os.environ.get("DISTLAB_BACKEND") == "gloo":
+            caps.append((resource.RLIMIT_AS, _address_space() + limit))
+        for kind, cap in caps:
+            soft, hard = resource.getrlimit(kind)
+            if hard == resource.RLIM_INFINITY or hard > cap:
+                resource.setrlimit(kind, (cap, cap))
+
+
+def _address_space() -> int:
+    """Bytes of address space this process maps now (VmSize)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _resolve(path: str, name: str, exercise: str = ""):
@@ -307,9 +321,9 @@ def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
                             cwd=cwd, pass_fds=list(pass_fds), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(
-        lambda: proc.stdout.read(1 << 16), b"")), daemon=True)
+    output = _Tail()
+    reader = threading.Thread(target=lambda: [output.add(c) for c in iter(
+        lambda: proc.stdout.read1(1 << 16), b"")], daemon=True)
     reader.start()
     deadline = time.monotonic() + timeout
     try:
@@ -324,7 +338,29 @@ def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
     finally:
         _kill_session(proc)
     reader.join(5)
-    return code, b"".join(chunks).decode(errors="replace")
+    return code, output.text()
+
+
+OUTPUT_KEPT = 4 << 20  # bytes of a contained run's output the grader keeps (its end)
+
+
+class _Tail:
+    """The last :data:`OUTPUT_KEPT` bytes of a stream, and how much was cut before them."""
+
+    def __init__(self):
+        self.chunks: list[bytes] = []
+        self.size = self.cut = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        while self.size - len(self.chunks[0]) >= OUTPUT_KEPT:
+            self.size -= len(self.chunks[0])
+            self.cut += len(self.chunks.pop(0))
+
+    def text(self) -> str:
+        head = f"[… {self.cut / 2**20:.1f} MiB cut]\n" if self.cut else ""
+        return head + b"".join(self.chunks).decode(errors="replace")
 
 
 def _stop(proc: subprocess.Popen, mode: str) -> None:
