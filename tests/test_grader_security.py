@@ -45,13 +45,14 @@ from distlab.grading import runner
 
 args = json.loads(sys.argv[1])
 results = runner.grade(Path(args["path"]), tests_dir=Path(args["tests"]), timeout=args["timeout"],
-                       memory_mb=args["memory"])
+                       memory_mb=args["memory"], only=args["only"], total=args["total"])
 print(json.dumps([dataclasses.asdict(r) for r in results]))
 """
 
 
 def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 300,
-           limit: float = 400, memory: int | None = None) -> tuple[dict, float]:
+           limit: float = 400, memory: int | None = None, only: list | None = None,
+           total: float = runner.NOTEBOOK_TIMEOUT) -> tuple[dict, float]:
     """runner.grade in a PID namespace (as root) under the signal guard: exercise → its
     result as a dict, and the seconds it took."""
     guard = tmp_path / "guard"
@@ -63,7 +64,7 @@ def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 30
         [str(guard)] + [p for p in sys.path if p]))
     cmd = [sys.executable, str(tmp_path / "driver.py"),
            json.dumps({"path": str(path), "tests": str(tests), "timeout": timeout,
-                       "memory": memory})]
+                       "memory": memory, "only": only, "total": total})]
     if sandbox.containment() == "pidns":
         cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
     start = time.monotonic()
@@ -664,3 +665,205 @@ def test_without_a_private_loopback_nothing_is_counted(monkeypatch):
     assert wire.evidence_of(True, False) == wire.evidence_of(False, False, True) == \
         "self-reported"
     assert wire.evidence_of(True, True) == "wire" and wire.evidence_of(False, False) == ""
+
+
+# ------------------------------------- 7. files root makes, notebooks root reads
+
+
+def test_root_never_acts_on_a_link_planted_in_a_rank_folder(tmp_path):
+    """A status board is created, never opened: an entry already there (a link to a file
+    only root may touch, planted by a process of an earlier launch) is refused, and the
+    target keeps its content, mode and owner."""
+    from distlab.runtime.rankproc import create_board
+
+    victim = tmp_path / "root-only"
+    victim.write_text("the grader's secret")
+    victim.chmod(0o600)
+    before = victim.stat()
+    (tmp_path / "status-0").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        create_board(str(tmp_path / "status-0"), (65534, 65534))
+    after = victim.stat()
+    assert victim.read_text() == "the grader's secret"
+    assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)
+    create_board(str(tmp_path / "status-1"), (65534, 65534) if os.geteuid() == 0 else None)
+    made = os.lstat(tmp_path / "status-1")
+    assert stat.S_ISREG(made.st_mode) and made.st_size == 256
+    assert made.st_uid == (65534 if os.geteuid() == 0 else os.geteuid())
+
+
+def test_a_notebook_is_read_as_a_plain_file_of_bounded_size(tmp_path):
+    """Links (to a file the student cannot read), FIFOs, hard links and a 2 GiB sparse
+    file are refused before anything is parsed; no message quotes the content."""
+    secret = tmp_path / "secret.ipynb"
+    secret.write_text("SECRET-ANSWER {not json")
+    secret.chmod(0o600)
+    cases = {"link": (tmp_path / "05_zero-link.ipynb", "is a symbolic link"),
+             "fifo": (tmp_path / "05_zero-fifo.ipynb", "not a regular file"),
+             "hard": (tmp_path / "05_zero-hard.ipynb", "other names (hard links)"),
+             "big": (tmp_path / "05_zero-big.ipynb", "larger than 64 MiB"),
+             "junk": (tmp_path / "05_zero-junk.ipynb", "not a readable notebook")}
+    cases["link"][0].symlink_to(secret)
+    os.mkfifo(cases["fifo"][0])
+    os.link(secret, cases["hard"][0])
+    with open(cases["big"][0], "wb") as f:
+        f.truncate(2 << 30)
+    cases["junk"][0].write_text("SECRET-ANSWER {not json")
+    for what, (path, why) in cases.items():
+        with pytest.raises(notebook.SubmissionError) as caught:
+            notebook.read_submission(path)
+        assert why in str(caught.value) and "SECRET" not in str(caught.value), (what, caught.value)
+    good = tmp_path / "05_zero.ipynb"
+    good.write_bytes((ROOT / "labs" / "05_zero.ipynb").read_bytes())
+    assert notebook.exercises(notebook.read_submission(good))
+
+
+def test_a_batch_goes_on_past_a_notebook_that_cannot_be_graded(tmp_path):
+    """Three submissions on one command line: a 2 GiB sparse file and a link are refused
+    with an error entry each; a notebook with a 100,000-term expression (an AST deeper
+    than the parser's stack) is graded; the JSON holds all three."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    deep = nbformat.read(ROOT / "labs" / "00_setup.ipynb", as_version=4)
+    deep.cells.append(nbformat.v4.new_code_cell("x = " + "+".join(["1"] * 100_000)))
+    nbformat.write(deep, folder / "00_setup-deep.ipynb")
+    with open(folder / "00_setup-big.ipynb", "wb") as f:
+        f.truncate(2 << 30)
+    (folder / "00_setup-link.ipynb").symlink_to(folder / "00_setup-deep.ipynb")
+    out = tmp_path / "out"
+    out.mkdir(mode=0o755)
+    names = ["00_setup-big.ipynb", "00_setup-link.ipynb", "00_setup-deep.ipynb"]
+    done = subprocess.run([sys.executable, "-m", "distlab.grading", *(str(folder / n) for n in names),
+                           "--json", str(out / "r.json")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # two refused
+    report = json.loads((out / "r.json").read_text())
+    assert "larger than 64 MiB" in report[str(folder / names[0])]["error"]
+    assert "symbolic link" in report[str(folder / names[1])]["error"]
+    assert report[str(folder / names[2])]["all_reduce_mean"]["verdict"] == "not attempted"
+
+
+def test_a_deep_ast_compiles_to_a_stub(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("import os"))
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\ny = " + "+".join(["1"] * 100_000)))
+    cell = nbformat.v4.new_code_cell("def f():\n    return " + "+".join(["1"] * 100_000))
+    cell.metadata["nbgrader"] = {"solution": True, "grade_id": "f"}
+    nb.cells.append(cell)
+    source = notebook.module_source(nb)
+    assert "import os" in source and "does not compile" in source
+    assert sandbox._defined_names("x = " + "(" * 100_000) == set()
+
+
+# ------------------------------------------------------- 8. plain data only
+
+
+class _Pickled:
+    """Unpickling it creates a file: the proof that something was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_fork_server_unpickles_nothing(tmp_path):
+    """Both ends of the fork server's socket (which a rank of the same user might reach)
+    decode plain data only: a pickle sent to the server, or answered to the launcher,
+    runs nothing."""
+    import pickle
+    import socket
+
+    from distlab.runtime import forkserver, plain
+
+    mark = tmp_path / "unpickled"
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.send(pickle.dumps((1, ("spawn", _Pickled(str(mark))))))
+    assert forkserver._serve(theirs, set()) is False
+    assert not mark.exists(), "the fork server unpickled a request"
+
+    class Proc:  # what the launcher's side uses of the server's process
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    server = object.__new__(forkserver.ForkServer)
+    server.sock, server.lock, server.broken, server.proc = ours, threading.Lock(), False, Proc()
+    server.ids = iter(range(1, 10))
+    theirs.send(pickle.dumps((1, ("status", _Pickled(str(mark))))))
+    assert server.reap(1234) == -9  # the answer is refused, the server discarded
+    assert not mark.exists() and server.broken, "the launcher unpickled a reply"
+    theirs.close()
+    assert plain.loads(plain.dumps((1, ("spawn", {"A": "b"})))) == (1, ("spawn", {"A": "b"}))
+
+
+# --------------------------------------------------------------- 9. limits
+
+
+def test_output_is_cut_with_a_marker(monkeypatch, capfd):
+    """A sandboxed launch keeps at most 1 MiB of a rank's output per launch, and the
+    grader the last 4 MiB of a run's, each saying how much it cut."""
+    from distlab import launch
+
+    tail = sandbox._Tail()
+    for _ in range(10):
+        tail.add(b"x" * 2**20)
+    text = tail.text()
+    assert text.startswith("[… 6.0 MiB cut]") and len(text) < sandbox.OUTPUT_KEPT + 2**20
+    monkeypatch.setenv("DISTLAB_SANDBOX", "1")
+    monkeypatch.delenv("DISTLAB_SANDBOX_USER", raising=False)
+    try:
+        launch.run(_shout, 1, backend="gloo", timeout=60)
+    finally:
+        launch.shutdown()
+    out = capfd.readouterr().out
+    assert "MiB cut]" in out and len(out) < 2 * 2**20, len(out)
+
+
+def _shout():
+    import sys
+    for _ in range(6):
+        sys.stdout.write("y" * 2**20)
+    sys.stdout.flush()
+
+
+def test_a_notebook_has_a_total_time(tmp_path):
+    """Exercises that each stay within their own limit cannot together hold the grader
+    past the notebook's: what is left when it runs out counts as timed out."""
+    slow = "import time\n\nNOTEBOOK = '05_zero'\n\n\ndef test_slow():\n    time.sleep(3600)\n"
+    tests = _tests(tmp_path, {name: slow for name in ("zero_bytes_per_rank", "shard_range",
+                                                      "zero2_step")})
+    results, seconds = _grade(tmp_path, _notebook(tmp_path, "05_zero", {}), tests, timeout=300,
+                              total=40)
+    mine = [results[n] for n in ("zero_bytes_per_rank", "shard_range", "zero2_step")]
+    assert [(r["points"], r["verdict"]) for r in mine] == [(0, "timeout")] * 3, mine
+    assert all("used its 40 s" in r["message"] for r in mine), mine
+    assert seconds < 40 + 100, f"stopped after {seconds:.0f} s"
+
+
+def test_the_tables_behind_a_refused_answer_are_withheld():
+    """The private data only the refused answer reads (bus_factor's table) leaves the
+    rank with it; tables other library code reads stay."""
+    probe = ("from distlab.grading import sandbox; import distlab.comm as c\n"
+             "print(sandbox._withhold_tables('bus_bandwidth'), hasattr(c, '_BUS_FACTORS'))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("False") and "distlab.comm._BUS_FACTORS" in done.stdout
+
+
+_GPIPE_BY_REFERENCE = (
+    "def gpipe_schedule(num_stages, num_microbatches):\n"
+    "    from distlab import pp\n"
+    "    return pp.gpipe_schedule(num_stages, num_microbatches)\n")
+
+
+def test_calling_the_reference_schedule_scores_zero_and_points_at_no_hint(tmp_path):
+    path = _notebook(tmp_path, "07_pipeline_parallel", {"gpipe_schedule": _GPIPE_BY_REFERENCE})
+    results, _ = _grade(tmp_path, path, only=["gpipe_schedule"])
+    r = results["gpipe_schedule"]
+    assert (r["points"], r["verdict"], r["hint"]) == (0, "refused", ""), r
+    assert r["max_points"] >= 12 and r["message"].endswith("write your own"), r

@@ -289,6 +289,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                 break
             overran.add(stopped)  # the exercises that never started get a run of their own
             to_run = [name for name in to_run if name not in started]
+    out_of_time = time.monotonic() >= deadline
     collected: dict[str, dict] = {}
     for r in records:
         for c in r.get("collected", []) if isinstance(r.get("collected"), list) else []:
@@ -301,7 +302,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         mine = [c for c in collected.values() if c.get("exercise") == name]
         runnable = sum(not c["blocked"] for c in mine)
         code, out, ended = runs.get(name, (None, "", False))
-        broke = ("the tests did not finish within their time limit" if code is None else
+        broke = (f"the notebook's grading used its {total:g} s before these tests finished"
+                 if code is None and out_of_time else
+                 "the tests did not finish within their time limit" if code is None else
                  f"the test run ended before this test (exit status {code}): "
                  f"{' | '.join(out.strip().splitlines()[-2:])}")
         if name in missing:

@@ -219,6 +219,7 @@ def _module(path: str, exercise: str = ""):
                            f"each exercise)")
     _graded.append(exercise)
     _limit_memory()
+    _withhold_tables(exercise)
     labs.disarm(exercise)
     name = f"student_{Path(path).stem}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -226,6 +227,47 @@ def _module(path: str, exercise: str = ""):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def _withhold_tables(exercise: str) -> list[str]:
+    """Remove from their modules the private tables (``_NAME`` globals that are data: no
+    function, class or module) that only the library's answers to ``exercise`` read, as
+    ``distlab.comm._BUS_FACTORS`` behind ``bus_factor``: the answer refuses, and the data
+    it was made of goes with it. A table another function of the module reads stays."""
+    import importlib
+    import inspect
+    import types
+
+    from distlab.grading import labs
+
+    answers: dict[types.ModuleType, set[str]] = {}
+    for reference in labs.ANSWERS.get(exercise, ()):
+        module_name, name = reference.split(":")
+        answers.setdefault(importlib.import_module(module_name), set()).add(name)
+    removed = []
+    for module, names in answers.items():
+        def reads(obj) -> set[str]:
+            found = set()
+            for fn in [obj] + ([v for v in vars(obj).values()] if isinstance(obj, type) else []):
+                fn = getattr(fn, "__func__", fn)
+                code = getattr(fn, "__code__", None)
+                stack = [code] if code else []
+                while stack:
+                    c = stack.pop()
+                    found.update(c.co_names)
+                    stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+            return found
+
+        tables = {n for n, v in vars(module).items() if n.startswith("_") and not n.startswith(
+            "__") and not callable(v) and not inspect.ismodule(v)}
+        by_answers = set().union(*(reads(getattr(module, n)) for n in names)) & tables
+        by_others = set().union(set(), *(reads(v) for n, v in vars(module).items()
+                                         if n not in names and (inspect.isfunction(v) or
+                                                                inspect.isclass(v))))
+        for name in sorted(by_answers - by_others):
+            delattr(module, name)
+            removed.append(f"{module.__name__}.{name}")
+    return removed
 
 
 def _limit_memory() -> None:
