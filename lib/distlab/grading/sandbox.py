@@ -1,86 +1,77 @@
 """Untrusted code in the autograder: where a student's code runs, as whom, and how it ends.
 
 A student's notebook can run anything when it is imported, so the grade must never
-depend on a process that ran it. What holds, and under which conditions ("root" means
-the grader runs as root and found a user to switch to, :func:`unprivileged_user`;
-"namespaces" means :func:`containment` is "pidns", i.e. ``unshare --pid --mount-proc``
-works, which as root on Linux it normally does):
-
-Everywhere (Linux; any user):
+depend on a process that ran it. The mechanism: each graded rank runs in the sandbox of
+:mod:`distlab.runtime.confine` — namespaces, a root built from what it may read (the
+kit's checkout, ``solutions/``, the exercise tests and the answer modules absent), a user
+namespace with no capability, a seccomp filter, capped tmpfs, a process limit — made by
+kernel calls in the freshly forked rank, because ranks come warm from the fork server
+(bubblewrap would start a fresh interpreter: seconds of importing torch per rank, where
+this costs milliseconds; Landlock restricts paths but neither hides them nor drops the
+capabilities, and libseccomp's binding is not installable everywhere, so the filter is
+built by hand). :func:`confinement` probes once whether it can be made here; where it
+cannot (macOS, a container forbidding namespaces) the guarantees marked *sandbox* are
+lost and the others hold. What holds ("root": the grader runs as root and found a user
+to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
 
 1. **Grades come from processes that never run student code.** The grader and each
    exercise's pytest process never import the student's module: tests reach it through
    :class:`Student`, whose ``student.NAME`` resolves to the real object only inside
    launched ranks (or, called directly, inside a one-rank launch). Every check runs in the
    pytest process on what the ranks return.
-2. **Results cross as plain data.** Ranks of a sandbox (``DISTLAB_SANDBOX=1``) answer
-   with :mod:`distlab.runtime.plain`, never a pickle, so they cannot make the tests run code.
-3. **The report travels through a pipe** that only pytest inherits, not a file; the
-   grading processes are made non-dumpable, so a student's process running as the same
-   user cannot open their descriptors through /proc.
-4. **The maximum is the kit's.** A notebook is graded on exactly the exercises whose
-   kit test files declare the lab its file name names (:mod:`distlab.grading.labs`); a
-   lost cell scores 0 of its tests, another lab's cell is ignored
-   (see :mod:`distlab.grading.runner`).
-5. **The library's answers refuse.** Each exercise's tests run on ranks of their own
-   (the plugin discards the warm ranks between exercises); before such a rank imports the
-   student's module, every library object :data:`distlab.grading.labs.ANSWERS` names for
-   that exercise has its code replaced by a refusal ("this is the library's answer to the
-   exercise being graded"): calling, instantiating or subclassing it raises, through any
-   alias, and the original code is kept nowhere in that rank.
-6. **Memory.** Each graded rank's data (RLIMIT_DATA, where tensors live) is capped at
-   the grader's ``--memory`` before the student's module is imported; allocations past
-   it fail and the exercise is reported "out of memory". The cap is per rank: an
-   exercise's launch of N ranks may hold N times it.
-7. **Time.** No exercise runs past its limit plus a grace (10-30 s), timed on the
-   grader's own clock: the grader stops the whole pytest run, whatever it is stuck on,
-   counts that exercise's unfinished tests as timed out, and reruns the exercises that
-   had not started. The launcher reads a rank's stack file and status board without
-   following links or blocking, only regular files, and at most 1 MiB (a board: 256 B).
-8. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in a
-   new PID namespace (namespaces), otherwise under a child subreaper (Linux), otherwise
-   (elsewhere) only its process group is killed. When pytest ends, every process it left
-   behind — daemons started with ``start_new_session=True`` included — is killed before
-   the grade is read.
-
-As root:
-
-9. **An unprivileged user.** Ranks run as ``nobody`` (or ``DISTLAB_SANDBOX_USER``), with
-   no supplementary groups and no new privileges: they cannot write the grader's files or
-   signal its processes. They keep CAP_DAC_READ_SEARCH (the Python installation may sit
-   in a root-only folder), so they can *read* any file on the machine, except:
-10. **Hidden sources** (root and namespaces): each graded rank, before it drops root,
-   imports every module :data:`~distlab.grading.labs.ANSWERS` names and, in a mount
-   namespace of its own, binds a stub over each one's source file and cached bytecode
-   (re-loading it raises "its source is hidden while grading") and an empty folder over
-   the kit's ``solutions/``, ``.git`` and ``build/``
-   (:func:`distlab.runtime.privileges.hide_sources`).
-11. **A private /tmp and /dev/shm** (root and namespaces): the supervisor of each pytest
-    run mounts a fresh tmpfs on both in the run's mount namespace (the grader's and the
-    tests' folders bound back in); what the student's code leaves there vanishes with
-    the run (:func:`_private_tmp`).
-12. **Traffic counted outside the ranks** (root and namespaces, ``unshare --net``): each
+2. **Plain data on every channel.** Ranks of a sandbox (``DISTLAB_SANDBOX=1``) answer
+   with :mod:`distlab.runtime.plain`, never a pickle, and the fork server's requests and
+   replies are plain data too; the report travels through a pipe only pytest holds, and
+   the grading processes (the fork server included) are non-dumpable.
+3. **The maximum is the kit's** (:mod:`distlab.grading.labs`; see the runner).
+4. **The library's answers refuse** in the ranks of their exercise (``labs.disarm``),
+   and the private tables only they read are removed (:func:`_withhold_tables`); a test
+   that reached one makes the exercise "refused": 0 points, no hint.
+5. **Absent, not hidden** (sandbox): a rank's root holds the Python installation, the
+   site-packages and a copy of the package without ``grading/exercises`` and the answer
+   modules (nor their bytecode), the student's module and the pool's folder; the rest of
+   the kit's checkout (``solutions/``, ``tests/``, ``.git``, other checkouts beside it)
+   is not there. The launcher sends sandboxed ranks no test source for tracebacks.
+6. **No privilege** (sandbox): the rank's user (as root: ``nobody`` or
+   ``DISTLAB_SANDBOX_USER``; otherwise the grader's own, in a user namespace) holds no
+   capability and cannot gain one; the seccomp filter refuses opening files by handle,
+   ptrace, other processes' memory and descriptors, mounts, namespaces, BPF, io_uring.
+   Without the sandbox, as root: another user, the filter, and CAP_DAC_READ_SEARCH (so
+   that an interpreter under a root-only folder stays importable): files stay readable.
+7. **Nothing carries over** (sandbox): each rank is PID 1 of its own PID namespace, so
+   every process it starts dies with it; the pool's ranks are stopped (and their
+   namespaces emptied) before the next exercise's start; /tmp, /var/tmp and /dev/shm are
+   fresh tmpfs per rank. Root never acts on a path a rank's user can write: the pool's
+   files are created O_EXCL|O_NOFOLLOW and chowned through their descriptor before the
+   folder is handed over, and the launcher reads a rank's files without following links
+   or blocking, only regular ones, up to a bound.
+8. **Limits.** Memory: each graded rank's data (RLIMIT_DATA) and, on gloo ranks, its
+   address space (RLIMIT_AS: shared mappings too) grow by at most ``--memory``
+   (:func:`_limit_memory`; allocations past it are "out of memory"; per rank, not GPU
+   memory); tmpfs :data:`TMPFS_MB` each and :data:`PROCESSES` tasks per rank (sandbox);
+   output 1 MiB per rank and launch, and the last :data:`OUTPUT_KEPT` bytes of a run,
+   each cut with a "… N MiB cut" marker; time per exercise (limit plus a grace, timed
+   on the grader's clock) and per notebook; a notebook's size, read before parsing
+   (:func:`distlab.grading.notebook.read_submission`).
+9. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in
+   a new PID namespace (as root; :func:`containment` is "pidns"), otherwise under a child
+   subreaper (Linux), otherwise only its process group is killed.
+10. **Traffic counted outside the ranks** (root with namespaces, ``unshare --net``): each
     run has a network namespace of its own, ``lo`` alone and up
-    (:func:`distlab.grading.wire.loopback_up`);
-    gloo uses it, and :mod:`distlab.grading.wire` reads its counters from the pytest
-    process. Upper bounds on the bytes moved cannot be forged. Everywhere a passed test
-    whose traffic evidence was only a CommLog is reported "self-reported".
+    (:func:`distlab.grading.wire.loopback_up`); gloo uses it, and :mod:`distlab.grading.wire`
+    reads its counters from the pytest process. Upper bounds on the bytes moved cannot
+    be forged. Elsewhere a passed test whose traffic evidence was only a CommLog is
+    reported "self-reported".
 
-What this does not guarantee: code running as the grader's own user (a student grading
-their own laptop) can edit the tests themselves, and nothing is hidden from it; as root
-without namespaces nothing is hidden either. Other copies of the kit on the machine
-(another checkout, a wheel, a pip cache, other students' submissions) stay readable to
-the ranks. /tmp and /dev/shm are the machine's: files the ranks leave there stay, and
-ranks graded at the same time as the same user can meet there (except as root with
-namespaces, where each run gets its own /tmp and /dev/shm; /var/tmp stays shared). The
-memory cap is per rank, not per exercise, and not on GPU memory. Only the library
-objects named in ANSWERS refuse; other library code stays usable. And what is observed
-*inside* a rank — which collectives ran (CommLog), what the status board says — is
-reported by a process that ran the student's code, so a deliberate forgery of those
-observations is possible: checks on a CommLog are marked self-reported, and only the
-bytes counted on the run's own loopback (12) bound traffic unforgeably, as an upper
-bound on volume (not which collective ran, nor a lower bound). Answers (values,
-gradients, weights) are always checked outside it.
+What this does not guarantee: code running as the grader's own user without the sandbox
+(a student grading their own laptop) can edit the tests themselves. The memory cap is per
+rank, not per exercise, and not on GPU memory; what a rank writes in its pool's folder
+uses disk. Only the library objects named in ANSWERS refuse; other library code stays
+usable. And what is observed *inside* a rank — which collectives ran (CommLog), what
+the status board says — is reported by a process that ran the student's code: checks on
+a CommLog are marked self-reported, and only the bytes counted on the run's own loopback
+(10) bound traffic unforgeably, as an upper bound on volume. Answers (values, gradients,
+weights) are always checked outside the ranks.
 """
 from __future__ import annotations
 
