@@ -48,6 +48,8 @@ def read_submission(path: Path, max_mb: float = MAX_NOTEBOOK_MB):
         if exc.errno == errno.ELOOP:
             raise SubmissionError(f"{path} is a symbolic link: submit the notebook file "
                                   f"itself") from None
+        if exc.errno == errno.ENOENT:
+            raise SubmissionError(f"{path} does not exist") from None
         raise SubmissionError(f"{path} cannot be opened ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)

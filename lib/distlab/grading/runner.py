@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.notebooks:
         results = None
         try:
+            notebook.read_submission(path)  # unreadable before unknown, as the user fixes them
             if labs.lab_of(path) is None:
                 problem = labs.unknown_lab_message(path)
             else:
