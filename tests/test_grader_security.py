@@ -45,13 +45,14 @@ from distlab.grading import runner
 
 args = json.loads(sys.argv[1])
 results = runner.grade(Path(args["path"]), tests_dir=Path(args["tests"]), timeout=args["timeout"],
-                       memory_mb=args["memory"])
+                       memory_mb=args["memory"], only=args["only"], total=args["total"])
 print(json.dumps([dataclasses.asdict(r) for r in results]))
 """
 
 
 def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 300,
-           limit: float = 400, memory: int | None = None) -> tuple[dict, float]:
+           limit: float = 400, memory: int | None = None, only: list | None = None,
+           total: float = runner.NOTEBOOK_TIMEOUT) -> tuple[dict, float]:
     """runner.grade in a PID namespace (as root) under the signal guard: exercise → its
     result as a dict, and the seconds it took."""
     guard = tmp_path / "guard"
@@ -63,7 +64,7 @@ def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 30
         [str(guard)] + [p for p in sys.path if p]))
     cmd = [sys.executable, str(tmp_path / "driver.py"),
            json.dumps({"path": str(path), "tests": str(tests), "timeout": timeout,
-                       "memory": memory})]
+                       "memory": memory, "only": only, "total": total})]
     if sandbox.containment() == "pidns":
         cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
     start = time.monotonic()
@@ -230,9 +231,11 @@ def test_calling_or_reloading_the_librarys_answer_scores_zero(tmp_path):
     for name in _CALLS:
         r = results[name]
         assert (r["points"], r["max_points"]) == (0, 1), r
-        assert "this is the library's answer" in r["message"], r
-    if os.geteuid() == 0:  # the file re-loaded is the stub: the source is hidden
-        assert "its source is hidden while grading" in results["shard_range"]["message"]
+        if name == "shard_range" and not sandbox.confinement():
+            assert "No such file" in r["message"], r  # its file is not in the rank's root
+        else:
+            assert (r["verdict"], r["hint"]) == ("refused", ""), r
+            assert r["message"].startswith(labs.REFUSAL), r
 
 
 def test_subclassing_the_librarys_answer_scores_zero(tmp_path):
@@ -246,43 +249,111 @@ def test_subclassing_the_librarys_answer_scores_zero(tmp_path):
 
 
 _PROBE = '''
-for _folder in ("/tmp", "/dev/shm"):  # left behind, if these are the machine's
+import glob as _glob, os as _os, subprocess as _subprocess, sys as _sys
+
+# At import, in every rank of both exercises: what an earlier exercise's ranks left in
+# /tmp, /var/tmp or /dev/shm; then leave marks there, and a detached process behind.
+_TAG = _os.path.basename(_os.environ.get("DISTLAB_DIR", "x"))
+_CARRIED = [p for f in ("/tmp", "/var/tmp", "/dev/shm") for p in _glob.glob(f"{f}/MARK-*")
+            if not p.endswith(_TAG)]
+for _folder in ("/tmp", "/var/tmp", "/dev/shm"):
     try:
-        with open(f"{_folder}/MARK", "w") as _f:
+        with open(f"{_folder}/MARK-{_TAG}", "w") as _f:
             _f.write("left behind by a student")
     except OSError:
         pass
+_subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(120)", "MARK"],
+                  start_new_session=True, stdin=_subprocess.DEVNULL,
+                  stdout=_subprocess.DEVNULL, stderr=_subprocess.DEVNULL)
 
 
-def probe():
-    import glob, os
-    import distlab.reference.zero
-    found = {}
+def probe(paths, folder):
+    import ctypes, linecache, mmap, os, signal, time
+    from distlab.runtime.confine import _CALLS
+    import platform
+    found = {"visible": [p for p in paths if os.path.exists(p)], "carried": _CARRIED}
     try:
-        found["source"] = open(distlab.reference.zero.__file__).read()
-    except OSError as exc:
-        found["source"] = repr(exc)
-    folder = os.path.join(os.path.dirname(distlab.reference.zero.__file__), "__pycache__")
-    found["bytecode"] = [open(p, "rb").read().decode("latin-1")
-                         for p in glob.glob(os.path.join(folder, "zero.*.pyc"))]
-    kit = os.path.dirname(os.path.dirname(os.path.dirname(distlab.__file__)))
-    found["solutions"] = sorted(os.listdir(os.path.join(kit, "solutions")))
-    found["git"] = sorted(os.listdir(os.path.join(kit, ".git"))) if os.path.isdir(
-        os.path.join(kit, ".git")) else []
-    import distlab.grading
-    exercises = os.path.join(os.path.dirname(distlab.grading.__file__), "exercises")
-    found["exercises"] = sorted(os.listdir(exercises))
+        found["beside"] = sorted(os.listdir(folder))
+    except OSError:
+        found["beside"] = []
+    with open("/proc/self/status") as f:
+        found["caps"] = {k: v.strip() for k, v in (line.split(":", 1) for line in f)
+                         if k.startswith("Cap")}
+    libc = ctypes.CDLL(None, use_errno=True)
+    calls = _CALLS[platform.machine()]
+    found["calls"] = {}
+    for name in ("open_by_handle_at", "name_to_handle_at", "ptrace", "process_vm_readv",
+                 "pidfd_getfd", "unshare", "mount", "setns", "bpf", "io_uring_setup"):
+        ctypes.set_errno(0)
+        arg = 0x10000000 if name == "unshare" else 0  # CLONE_NEWUSER
+        code = libc.syscall(calls[name], ctypes.c_long(arg), ctypes.c_long(0),
+                            ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0))
+        found["calls"][name] = 0 if code >= 0 else ctypes.get_errno()
+    found["linecache"] = [f for f in linecache.cache if "ring_cases" in f or "test_" in f]
+    children = []
+    for _ in range(400):  # processes: forked until refused
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        children.append(pid)
+    found["forked"] = len(children)
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    written = 0
+    try:  # tmpfs: /dev/shm filled until refused
+        with open("/dev/shm/fill", "wb") as f:
+            for _ in range(256):
+                f.write(b"x" * 2**20)
+                f.flush()
+                written += 2**20
+    except OSError:
+        pass
+    found["shm_mib"] = written >> 20
+    try:  # a shared mapping of 1 GiB (not the process's data: only its address space caps it)
+        m = mmap.mmap(-1, 2**30, flags=mmap.MAP_SHARED)
+        m[::2**20] = b"x" * 1024
+        found["shared_map"] = "held"
+    except (OSError, ValueError, MemoryError) as exc:
+        found["shared_map"] = type(exc).__name__
     return found
 '''
 _PROBE_TEST = '''
 
-def test_the_answers_cannot_be_read(student):
-    found = student.probe()
-    assert "def zero2_step" not in found["source"], "reference/zero.py was readable"
-    assert not any("reduce_scatter_mean" in b for b in found["bytecode"]), "its .pyc was readable"
-    assert found["solutions"] == [], f"solutions/ was readable: {found['solutions']}"
-    assert found["git"] == [], "the kit's git history was readable"
-    assert found["exercises"] == [], f"the exercise tests were readable: {found['exercises']}"
+def _alive_with(mark):
+    import os
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(entry)
+        except OSError:
+            pass
+    return found
+
+
+def test_the_sandbox_holds(student):
+    import os, time
+    deadline = time.monotonic() + 5  # the first exercise's ranks were shut down just now
+    while _alive_with("MARK") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive_with("MARK"), "a process of the first exercise outlived it"
+    found = student.probe(PATHS, FOLDER)
+    assert found["visible"] == [], f"visible to a rank: {found['visible']}"
+    assert found["beside"] == [os.path.basename(KIT)], f"beside the kit: {found['beside']}"
+    assert found["carried"] == [], f"carried from an earlier exercise: {found['carried']}"
+    assert set(found["caps"].values()) == {"0000000000000000"}, found["caps"]
+    refused = {n: e for n, e in found["calls"].items() if e != 1}  # 1: EPERM
+    assert not refused, f"system calls not refused: {refused}"
+    assert found["linecache"] == [], f"the tests' source reached the rank: {found['linecache']}"
+    assert 0 < found["forked"] < PROCESSES, found["forked"]
+    assert found["shm_mib"] <= TMPFS_MB, found["shm_mib"]
+    assert found["shared_map"] != "held", "a 1 GiB shared mapping past the memory limit"
 '''
 
 # Lab 03's answers forged: gloo's all_reduce behind the tracer's back, and the sends of a
@@ -341,37 +412,54 @@ def test_ring_traffic(student):
 
 
 @ROOT_ONLY
-def test_graded_ranks_cannot_read_the_answers_leave_files_in_tmp_nor_forge_traffic(tmp_path):
-    """One grading run of lab 03 (the probe's), three defences: the answers are hidden,
-    /tmp and /dev/shm are the run's own, and a forged CommLog no longer earns the traffic
-    points that rest on the wire. The forgers all-reduce behind the tracer's back and log
-    a ring's sends: the kit's CommLog checks still pass them. ring_reduce_scatter's point
-    rests on the bytes counted on the run's own loopback, outside the ranks, and is lost
-    (an all-reduce moves twice a ring reduce-scatter); ring_allreduce's cannot (gloo's
-    all_reduce moves exactly a ring's bytes), and is kept, reported self-reported."""
+def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(tmp_path):
+    """One grading run of lab 03, two exercises, under a 512 MiB memory cap. In the ranks
+    of both, the student's module plants files in /tmp, /var/tmp and /dev/shm and leaves
+    a detached process. The second exercise's test finds: no process of the first left,
+    nothing carried over; absent from the rank's filesystem: solutions/, .git, the
+    exercise tests, the kit's tests, the answer modules' source and any other checkout
+    beside the kit; no capability; file handles, tracing, other processes' memory and
+    descriptors, namespaces, mounts, BPF and io_uring refused (EPERM); no test source in
+    the rank's linecache; forks stop below the process limit, /dev/shm at its size, a
+    1 GiB shared mapping fails. And the machine's /tmp, /var/tmp and /dev/shm hold none
+    of the marks. Meanwhile the forgers all-reduce behind the tracer's back and log a
+    ring's sends: ring_reduce_scatter's traffic point rests on the bytes counted on the
+    run's own loopback, outside the ranks, and is lost (an all-reduce moves twice a ring
+    reduce-scatter); ring_allreduce's cannot (gloo's all_reduce moves exactly a ring's
+    bytes), and is kept, reported self-reported."""
     import uuid
 
-    import distlab.reference.zero  # noqa: F401  (its bytecode exists to be hidden)
+    import distlab.reference.zero
 
+    if sandbox.confinement():
+        pytest.skip(f"graded ranks cannot be confined here: {sandbox.confinement()}")
     mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
+    paths = [str(p) for p in (ROOT / "solutions", ROOT / ".git", ROOT / "tests", runner.TESTS,
+                              Path(distlab.reference.zero.__file__))]
+    constants = (f"PATHS = {paths!r}\nKIT = {str(ROOT)!r}\nFOLDER = {str(ROOT.parent)!r}\n"
+                 f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n")
+    ring = _RING_TESTS.format(name="ring_allreduce")
+    first = ring.index("\n\ndef test_sum")  # the probe's test first: no rank of its own yet
     tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),
-                              "ring_allreduce": _RING_TESTS.format(name="ring_allreduce")
-                              + _PROBE_TEST}, conftest=True)
+                              "ring_allreduce": ring[:first] + "\n" + constants
+                              + _PROBE_TEST.replace("MARK", mark) + ring[first:]}, conftest=True)
     (tests / "ring_cases.py").write_text((runner.TESTS / "ring_cases.py").read_text())
     path = _notebook(tmp_path, "03_ring_allreduce",
                      {"ring_reduce_scatter": _FORGERS,
                       "ring_allreduce": _PROBE.replace("MARK", mark)})
     try:
-        results, _ = _grade(tmp_path, path, tests)
-        left = [f for f in (Path("/tmp") / mark, Path("/dev/shm") / mark) if f.exists()]
+        results, _ = _grade(tmp_path, path, tests, memory=512)
+        left = [p for f in ("/tmp", "/var/tmp", "/dev/shm") for p in Path(f).glob(f"{mark}-*")]
     finally:
-        for folder in ("/tmp", "/dev/shm"):
-            (Path(folder) / mark).unlink(missing_ok=True)
+        for f in ("/tmp", "/var/tmp", "/dev/shm"):
+            for p in Path(f).glob(f"{mark}-*"):
+                p.unlink()
     assert left == [], f"the student's code left {left} on the machine"
     got = {name: (results[name]["points"], results[name]["max_points"],
                   results[name]["self_reported"])
            for name in ("ring_reduce_scatter", "ring_allreduce")}
     rs = results["ring_reduce_scatter"]
+    assert results["ring_allreduce"]["points"] == 3, results["ring_allreduce"]["message"]
     if not sandbox.network_namespace():  # nothing counted: every traffic point self-reported
         assert got == {"ring_reduce_scatter": (2, 2, 1), "ring_allreduce": (3, 3, 1)}, results
         return
@@ -577,3 +665,205 @@ def test_without_a_private_loopback_nothing_is_counted(monkeypatch):
     assert wire.evidence_of(True, False) == wire.evidence_of(False, False, True) == \
         "self-reported"
     assert wire.evidence_of(True, True) == "wire" and wire.evidence_of(False, False) == ""
+
+
+# ------------------------------------- 7. files root makes, notebooks root reads
+
+
+def test_root_never_acts_on_a_link_planted_in_a_rank_folder(tmp_path):
+    """A status board is created, never opened: an entry already there (a link to a file
+    only root may touch, planted by a process of an earlier launch) is refused, and the
+    target keeps its content, mode and owner."""
+    from distlab.runtime.rankproc import create_board
+
+    victim = tmp_path / "root-only"
+    victim.write_text("the grader's secret")
+    victim.chmod(0o600)
+    before = victim.stat()
+    (tmp_path / "status-0").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        create_board(str(tmp_path / "status-0"), (65534, 65534))
+    after = victim.stat()
+    assert victim.read_text() == "the grader's secret"
+    assert (after.st_uid, after.st_mode) == (before.st_uid, before.st_mode)
+    create_board(str(tmp_path / "status-1"), (65534, 65534) if os.geteuid() == 0 else None)
+    made = os.lstat(tmp_path / "status-1")
+    assert stat.S_ISREG(made.st_mode) and made.st_size == 256
+    assert made.st_uid == (65534 if os.geteuid() == 0 else os.geteuid())
+
+
+def test_a_notebook_is_read_as_a_plain_file_of_bounded_size(tmp_path):
+    """Links (to a file the student cannot read), FIFOs, hard links and a 2 GiB sparse
+    file are refused before anything is parsed; no message quotes the content."""
+    secret = tmp_path / "secret.ipynb"
+    secret.write_text("SECRET-ANSWER {not json")
+    secret.chmod(0o600)
+    cases = {"link": (tmp_path / "05_zero-link.ipynb", "is a symbolic link"),
+             "fifo": (tmp_path / "05_zero-fifo.ipynb", "not a regular file"),
+             "hard": (tmp_path / "05_zero-hard.ipynb", "other names (hard links)"),
+             "big": (tmp_path / "05_zero-big.ipynb", "larger than 64 MiB"),
+             "junk": (tmp_path / "05_zero-junk.ipynb", "not a readable notebook")}
+    cases["link"][0].symlink_to(secret)
+    os.mkfifo(cases["fifo"][0])
+    os.link(secret, cases["hard"][0])
+    with open(cases["big"][0], "wb") as f:
+        f.truncate(2 << 30)
+    cases["junk"][0].write_text("SECRET-ANSWER {not json")
+    for what, (path, why) in cases.items():
+        with pytest.raises(notebook.SubmissionError) as caught:
+            notebook.read_submission(path)
+        assert why in str(caught.value) and "SECRET" not in str(caught.value), (what, caught.value)
+    good = tmp_path / "05_zero.ipynb"
+    good.write_bytes((ROOT / "labs" / "05_zero.ipynb").read_bytes())
+    assert notebook.exercises(notebook.read_submission(good))
+
+
+def test_a_batch_goes_on_past_a_notebook_that_cannot_be_graded(tmp_path):
+    """Three submissions on one command line: a 2 GiB sparse file and a link are refused
+    with an error entry each; a notebook with a 100,000-term expression (an AST deeper
+    than the parser's stack) is graded; the JSON holds all three."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    deep = nbformat.read(ROOT / "labs" / "00_setup.ipynb", as_version=4)
+    deep.cells.append(nbformat.v4.new_code_cell("x = " + "+".join(["1"] * 100_000)))
+    nbformat.write(deep, folder / "00_setup-deep.ipynb")
+    with open(folder / "00_setup-big.ipynb", "wb") as f:
+        f.truncate(2 << 30)
+    (folder / "00_setup-link.ipynb").symlink_to(folder / "00_setup-deep.ipynb")
+    out = tmp_path / "out"
+    out.mkdir(mode=0o755)
+    names = ["00_setup-big.ipynb", "00_setup-link.ipynb", "00_setup-deep.ipynb"]
+    done = subprocess.run([sys.executable, "-m", "distlab.grading", *(str(folder / n) for n in names),
+                           "--json", str(out / "r.json")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]  # two refused
+    report = json.loads((out / "r.json").read_text())
+    assert "larger than 64 MiB" in report[str(folder / names[0])]["error"]
+    assert "symbolic link" in report[str(folder / names[1])]["error"]
+    assert report[str(folder / names[2])]["all_reduce_mean"]["verdict"] == "not attempted"
+
+
+def test_a_deep_ast_compiles_to_a_stub(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("import os"))
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\ny = " + "+".join(["1"] * 100_000)))
+    cell = nbformat.v4.new_code_cell("def f():\n    return " + "+".join(["1"] * 100_000))
+    cell.metadata["nbgrader"] = {"solution": True, "grade_id": "f"}
+    nb.cells.append(cell)
+    source = notebook.module_source(nb)
+    assert "import os" in source and "does not compile" in source
+    assert sandbox._defined_names("x = " + "(" * 100_000) == set()
+
+
+# ------------------------------------------------------- 8. plain data only
+
+
+class _Pickled:
+    """Unpickling it creates a file: the proof that something was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_the_fork_server_unpickles_nothing(tmp_path):
+    """Both ends of the fork server's socket (which a rank of the same user might reach)
+    decode plain data only: a pickle sent to the server, or answered to the launcher,
+    runs nothing."""
+    import pickle
+    import socket
+
+    from distlab.runtime import forkserver, plain
+
+    mark = tmp_path / "unpickled"
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.send(pickle.dumps((1, ("spawn", _Pickled(str(mark))))))
+    assert forkserver._serve(theirs, set()) is False
+    assert not mark.exists(), "the fork server unpickled a request"
+
+    class Proc:  # what the launcher's side uses of the server's process
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    server = object.__new__(forkserver.ForkServer)
+    server.sock, server.lock, server.broken, server.proc = ours, threading.Lock(), False, Proc()
+    server.ids = iter(range(1, 10))
+    theirs.send(pickle.dumps((1, ("status", _Pickled(str(mark))))))
+    assert server.reap(1234) == -9  # the answer is refused, the server discarded
+    assert not mark.exists() and server.broken, "the launcher unpickled a reply"
+    theirs.close()
+    assert plain.loads(plain.dumps((1, ("spawn", {"A": "b"})))) == (1, ("spawn", {"A": "b"}))
+
+
+# --------------------------------------------------------------- 9. limits
+
+
+def test_output_is_cut_with_a_marker(monkeypatch, capfd):
+    """A sandboxed launch keeps at most 1 MiB of a rank's output per launch, and the
+    grader the last 4 MiB of a run's, each saying how much it cut."""
+    from distlab import launch
+
+    tail = sandbox._Tail()
+    for _ in range(10):
+        tail.add(b"x" * 2**20)
+    text = tail.text()
+    assert text.startswith("[… 6.0 MiB cut]") and len(text) < sandbox.OUTPUT_KEPT + 2**20
+    monkeypatch.setenv("DISTLAB_SANDBOX", "1")
+    monkeypatch.delenv("DISTLAB_SANDBOX_USER", raising=False)
+    try:
+        launch.run(_shout, 1, backend="gloo", timeout=60)
+    finally:
+        launch.shutdown()
+    out = capfd.readouterr().out
+    assert "MiB cut]" in out and len(out) < 2 * 2**20, len(out)
+
+
+def _shout():
+    import sys
+    for _ in range(6):
+        sys.stdout.write("y" * 2**20)
+    sys.stdout.flush()
+
+
+def test_a_notebook_has_a_total_time(tmp_path):
+    """Exercises that each stay within their own limit cannot together hold the grader
+    past the notebook's: what is left when it runs out counts as timed out."""
+    slow = "import time\n\nNOTEBOOK = '05_zero'\n\n\ndef test_slow():\n    time.sleep(3600)\n"
+    tests = _tests(tmp_path, {name: slow for name in ("zero_bytes_per_rank", "shard_range",
+                                                      "zero2_step")})
+    results, seconds = _grade(tmp_path, _notebook(tmp_path, "05_zero", {}), tests, timeout=300,
+                              total=40)
+    mine = [results[n] for n in ("zero_bytes_per_rank", "shard_range", "zero2_step")]
+    assert [(r["points"], r["verdict"]) for r in mine] == [(0, "timeout")] * 3, mine
+    assert all("used its 40 s" in r["message"] for r in mine), mine
+    assert seconds < 40 + 100, f"stopped after {seconds:.0f} s"
+
+
+def test_the_tables_behind_a_refused_answer_are_withheld():
+    """The private data only the refused answer reads (bus_factor's table) leaves the
+    rank with it; tables other library code reads stay."""
+    probe = ("from distlab.grading import sandbox; import distlab.comm as c\n"
+             "print(sandbox._withhold_tables('bus_bandwidth'), hasattr(c, '_BUS_FACTORS'))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("False") and "distlab.comm._BUS_FACTORS" in done.stdout
+
+
+_GPIPE_BY_REFERENCE = (
+    "def gpipe_schedule(num_stages, num_microbatches):\n"
+    "    from distlab import pp\n"
+    "    return pp.gpipe_schedule(num_stages, num_microbatches)\n")
+
+
+def test_calling_the_reference_schedule_scores_zero_and_points_at_no_hint(tmp_path):
+    path = _notebook(tmp_path, "07_pipeline_parallel", {"gpipe_schedule": _GPIPE_BY_REFERENCE})
+    results, _ = _grade(tmp_path, path, only=["gpipe_schedule"])
+    r = results["gpipe_schedule"]
+    assert (r["points"], r["verdict"], r["hint"]) == (0, "refused", ""), r
+    assert r["max_points"] >= 12 and r["message"].endswith("write your own"), r

@@ -117,3 +117,40 @@ def test_autograde_records_the_points_of_make_grade(released, points):
     assert max_score == points["all_reduce_mean"]
     assert score == pytest.approx(max_score * kit_points / kit_max), (
         f"nbgrader recorded {score}/{max_score}, the kit's grader gives {kit_points}/{kit_max}")
+
+
+# nbgrader's autograde runs this in the grading cell's kernel: the cell then has no output,
+# which nbgrader scores as full credit
+OVERRIDE = '''import distlab.grading.course as _course
+_course.autograde = lambda *args, **kwargs: None
+
+def all_reduce_mean(tensor, group=None):
+    raise NotImplementedError
+'''
+
+
+def test_the_contained_path_writes_scores_a_cell_override_cannot_change(released, points):
+    """`python -m distlab.grading.course COURSE --grade 00_setup` grades with the kit's
+    contained grader and writes the gradebook: the notebook that overrides the autograder
+    cell (and answers nothing) scores 0 there; the solution's answer scores full marks."""
+    lab = "00_setup"
+    release = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
+    solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
+    answer = next(c.source for c in solution.cells if notebook.grade_id(c) == "all_reduce_mean")
+    for student, source in (("mallory", OVERRIDE), ("bob", answer)):
+        submission = nbformat.from_dict(release)
+        [cell] = [c for c in submission.cells if notebook.grade_id(c) == "all_reduce_mean"]
+        cell.source = source
+        path = released / "submitted" / student / lab / f"{lab}.ipynb"
+        path.parent.mkdir(parents=True)
+        nbformat.write(submission, path)
+    scores = course.grade_submissions(released, lab, students=["mallory", "bob"])
+    full = points["all_reduce_mean"]
+    assert scores == {"mallory": {f"{lab}/all_reduce_mean_tests": 0.0},
+                      "bob": {f"{lab}/all_reduce_mean_tests": full}}, scores
+
+    from nbgrader.api import Gradebook
+
+    with Gradebook(f"sqlite:///{released / 'gradebook.db'}") as gb:
+        got = {s: gb.find_submission(lab, s).score for s in ("mallory", "bob")}
+    assert got == {"mallory": 0.0, "bob": full}, got

@@ -15,10 +15,17 @@ It also writes ``COURSE_DIR/nbgrader_config.py`` when the course has none: the k
 stub (so ``nbgrader generate_assignment`` gives exactly ``labs/`` plus the autograder
 cells) and a cell timeout a whole lab fits in.
 
-The autograder cell runs in the kernel that ran the student's cells, as every nbgrader
-test does, so code in the notebook can tamper with it. The kit's own grader runs
-student code only in separate processes: ``python -m distlab.grading`` on the collected
-submissions gives the points to trust.
+nbgrader's ``autograde`` runs the student's code in the same kernel as the autograder
+cell, as it does for every nbgrader test: code in the notebook can change what the cell
+does (``distlab.grading.course.autograde = lambda *a, **k: None`` leaves the cell
+without output, which nbgrader scores as full credit). The path that cannot be tampered
+with grades through the kit's contained grader, which runs student code only in
+sandboxed processes, and writes the scores into nbgrader's gradebook:
+
+    python -m distlab.grading.course COURSE_DIR --grade NN_name   # after nbgrader collect
+
+(:func:`grade_submissions`; each autograder cell's grade gets the contained grader's
+score as its manual score, which nbgrader's total uses over any auto score.)
 """
 from __future__ import annotations
 
@@ -119,6 +126,50 @@ def autograde(notebook_file: str, name: str, points: int) -> float:
     return round(points * result.points / result.max_points, 3)
 
 
+def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
+                      students: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Grade every submission of ``assignment`` in nbgrader's course ``course``
+    (``submitted/STUDENT/ASSIGNMENT/*.ipynb``) with the kit's contained grader
+    (:func:`distlab.grading.runner.grade`, which never runs the student's code in this
+    process), and write each exercise's score into the gradebook (``db_url``, default
+    the course's ``gradebook.db``): the grade of its autograder cell ``NAME_tests`` gets
+    the score as its manual score, scaled to the cell's points. Returns student →
+    "notebook/cell" → score. The assignment must be in the gradebook
+    (``nbgrader generate_assignment``)."""
+    from nbgrader.api import Gradebook, MissingEntry
+
+    db_url = db_url or f"sqlite:///{Path(course).resolve() / 'gradebook.db'}"
+    scores: dict[str, dict[str, float]] = {}
+    with Gradebook(db_url) as gb:
+        gb.find_assignment(assignment)  # MissingEntry: generate the assignment first
+        folder = Path(course) / "submitted"
+        for student_dir in sorted(p for p in folder.glob("*") if p.is_dir()):
+            student = student_dir.name
+            if students and student not in students:
+                continue
+            paths = sorted((student_dir / assignment).glob("*.ipynb"))
+            if not paths:
+                continue
+            gb.update_or_create_student(student)
+            try:
+                gb.find_submission(assignment, student)
+            except MissingEntry:
+                gb.add_submission(assignment, student)
+            for path in paths:
+                for result in runner.grade(path):
+                    try:
+                        grade = gb.find_grade(f"{result.exercise}_tests", path.stem, assignment,
+                                              student)
+                    except MissingEntry:
+                        continue  # not an exercise of this notebook in the gradebook
+                    score = (round(grade.max_score * result.points / result.max_points, 3)
+                             if result.max_points else 0.0)
+                    grade.manual_score, grade.needs_manual_grade = score, False
+                    scores.setdefault(student, {})[f"{path.stem}/{grade.name}"] = score
+            gb.db.commit()
+    return scores
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -126,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("course", type=Path, help="the nbgrader course directory")
     parser.add_argument("--lab", action="append", help="only this lab (e.g. 00_setup)")
+    parser.add_argument("--grade", metavar="ASSIGNMENT",
+                        help="instead: grade the collected submissions of ASSIGNMENT with "
+                             "the contained grader and write the scores into the gradebook")
     args = parser.parse_args(argv)
+    if args.grade:
+        for student, got in grade_submissions(args.course, args.grade).items():
+            print(f"{student}: " + ", ".join(f"{k} {v:g}" for k, v in got.items()))
+        return 0
     try:
         written = write_course(args.course, args.lab)
     except FileNotFoundError as exc:

@@ -10,9 +10,9 @@ name is not graded at all (:func:`lab_of` gives None; the grader reports an erro
 :data:`ANSWERS` names, per exercise, the library code that answers it (in the labs'
 order, which is the order of the report). In a graded rank, while that exercise is
 graded, each of them refuses (:func:`disarm`): calling it, instantiating it or
-subclassing it raises :data:`REFUSAL`; and where the grader is root the source files of
-every module named here read as a stub (:func:`hidden_modules`, applied by
-:func:`distlab.runtime.privileges.hide_sources`).
+subclassing it raises :data:`REFUSAL`; and where graded ranks are sandboxed the source
+files of every module named here are absent from their filesystem (:func:`hidden_modules`,
+left out by :mod:`distlab.runtime.confine`).
 
 ``python -m distlab.grading.labs check solutions`` exits 1 when the exercise tests,
 ``solutions/`` and :data:`ANSWERS` disagree (:func:`problems`).
@@ -83,8 +83,6 @@ ANSWERS: dict[str, tuple[str, ...]] = {
 }
 
 REFUSAL = "this is the library's answer to the exercise being graded"
-HIDDEN = ("this is the library's answer to an exercise: its source is hidden while grading "
-          "(write your own)")
 
 
 def exercises(tests_dir: Path = TESTS) -> dict[str, tuple[str, ...]]:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import ast
 import copy
+import errno
+import os
 import re
+import stat
 import sys
 from pathlib import Path
 
@@ -23,6 +26,50 @@ BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = "raise NotImplementedError"
 _REGION = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[^\n]*\n.*?^[ \t]*{re.escape(END)}[^\n]*$",
                      re.MULTILINE | re.DOTALL)
+
+
+# what parsing or compiling a cell can raise: deep nesting overflows the parser's stack
+UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
+MAX_NOTEBOOK_MB = 64  # a submission larger than this is refused before it is parsed
+
+
+class SubmissionError(ValueError):
+    """A submitted notebook the grader refuses to read; the message names the fix."""
+
+
+def read_submission(path: Path, max_mb: float = MAX_NOTEBOOK_MB):
+    """The notebook at ``path``, read by a grader that may be root: the file itself (a
+    link is refused, O_NOFOLLOW), a regular file with no other name (no hard link), at
+    most ``max_mb`` MiB, checked before anything is parsed. :class:`SubmissionError`
+    otherwise; its message never quotes the file's content."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SubmissionError(f"{path} is a symbolic link: submit the notebook file "
+                                  f"itself") from None
+        if exc.errno == errno.ENOENT:
+            raise SubmissionError(f"{path} does not exist") from None
+        raise SubmissionError(f"{path} cannot be opened ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SubmissionError(f"{path} is not a regular file: submit the notebook file")
+        if st.st_nlink > 1:
+            raise SubmissionError(f"{path} has other names (hard links): submit a copy of "
+                                  f"the notebook")
+        limit = int(max_mb * 2**20)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise SubmissionError(f"{path} is larger than {max_mb:g} MiB, more than a lab "
+                              f"notebook can be: clear its outputs (Edit > Clear Outputs "
+                              f"of All Cells), save, and submit it again")
+    try:
+        return nbformat.reads(data.decode("utf-8"), as_version=4)
+    except Exception as exc:  # noqa: BLE001 — invalid UTF-8, JSON, notebook: said, not quoted
+        raise SubmissionError(
+            f"{path} is not a readable notebook ({type(exc).__name__}); open it in "
+            f"JupyterLab and save it again, or restore it from git") from None
 
 
 def grade_id(cell) -> str | None:
@@ -70,7 +117,7 @@ def imports(nb) -> list[str]:
             continue
         try:
             tree = ast.parse(_strip_magics(cell.source))
-        except SyntaxError:
+        except UNPARSABLE:
             continue
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -96,9 +143,11 @@ def module_source(nb) -> str:
         source = _strip_magics(source)
         try:
             compile(source, f"<exercise {name}>", "exec")
-        except SyntaxError as exc:
+        except UNPARSABLE as exc:  # nested too deep to compile, too: the same stub
+            why = str(exc) if isinstance(exc, SyntaxError) else (
+                f"{type(exc).__name__} (nested too deeply)")
             source = (f"def {name}(*args, **kwargs):\n    raise SyntaxError("
-                      f"{f'the cell of {name} does not compile: {exc}'!r})")
+                      f"{f'the cell of {name} does not compile: {why}'!r})")
         parts.append(f"# --- exercise {name}\n{source}")
     return "\n\n".join(parts) + "\n"
 

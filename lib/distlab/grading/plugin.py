@@ -75,6 +75,33 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+def refusals(rootdir) -> tuple[str, ...]:
+    """The phrases that say a test reached one of the library's answers: the grader's
+    (:data:`distlab.grading.labs.REFUSAL`) and the ``REFUSED`` of any helper module of
+    the exercise tests (under ``rootdir``) that refuses references of its own."""
+    import sys
+
+    from distlab.grading.labs import REFUSAL
+
+    found = [REFUSAL]
+    for module in list(sys.modules.values()):
+        phrase = getattr(module, "REFUSED", None)
+        if isinstance(phrase, str) and phrase and str(getattr(module, "__file__", "") or "") \
+                .startswith(str(rootdir)):
+            found.append(phrase)
+    return tuple(dict.fromkeys(found))
+
+
+def _refused(exc, phrases) -> tuple[str, str] | None:
+    """("refused", message) when the test reached one of the library's answers, which
+    refuse while grading: such an exercise scores 0 (and points at no hint)."""
+    for line in str(exc).splitlines():
+        for phrase in phrases:
+            if phrase in line:
+                return "refused", line[line.index(phrase):].strip()
+    return None
+
+
 def _evidence_marks() -> tuple[int, int, int]:
     """(CommLogs rebuilt from ranks' records, wire checks with bytes counted, without)
     in this process so far: a test that rebuilt a log, or made a wire check with nothing
@@ -103,6 +130,7 @@ class _Recorder:
         self.exercise: dict[str, str] = {}  # test id → exercise
         self.current: str | None = None  # the exercise whose tests run now
         self.marks = (0, 0, 0)  # _evidence_marks() when the test started
+        self.refusals: tuple[str, ...] = ()
 
     def _write(self, record: dict) -> None:
         if "test" in record:
@@ -110,6 +138,7 @@ class _Recorder:
         self.out.write(json.dumps(record) + "\n")
 
     def pytest_collection_modifyitems(self, config, items):
+        self.refusals = refusals(config.rootpath)
         self.exercise = {item.nodeid: exercise_of(str(item.path)) for item in items}
         self._write({"collected": [{"test": item.nodeid, "exercise": self.exercise[item.nodeid],
                                     "blocked": blocked_reason(item) or ""} for item in items]})
@@ -151,7 +180,8 @@ class _Recorder:
         outcome = yield
         report = outcome.get_result()
         if call.excinfo is not None and report.failed:
-            report.distlab_verdict = _verdict_of(call.excinfo.value)
+            report.distlab_verdict = (_refused(call.excinfo.value, self.refusals) or
+                                      _verdict_of(call.excinfo.value))
 
     def pytest_runtest_logreport(self, report):
         if self.spent.get(self.exercise.get(report.nodeid, ""), 0.0) > self.budget:

@@ -67,7 +67,8 @@ class Result:
     points: int
     max_points: int
     verdict: str   # pass, partial, fail, deadlock, not attempted, missing, error, timeout,
-    #                out of memory, blocked, ignored (another lab's cell: worth nothing here)
+    #                out of memory, blocked, ignored (another lab's cell: worth nothing here),
+    #                refused (it called the library's answer: 0 points, no hint)
     message: str   # the first failing check, in plain words
     blocked: int = 0  # tests this machine could not run
     seconds: float = 0.0
@@ -86,6 +87,10 @@ def _summarise(name: str, tests: list[dict], seconds: float) -> Result:
                       seconds=seconds)
     if not ran:
         return Result(name, 0, 0, "blocked", blocked[0]["message"], len(blocked), seconds)
+    refused = [t for t in failed if t["outcome"] == "refused"]
+    if refused:  # the library's answer was called: nothing of the exercise counts
+        return Result(name, 0, len(ran), "refused", refused[0]["message"], len(blocked),
+                      seconds, failed_test="")
     if not failed:
         verdict, message = "pass", ""
     else:
@@ -109,7 +114,10 @@ PLUGIN = "distlab.grading.plugin"
 
 def _pytest(report_fd: int, tests_dir: Path, *args: str) -> list[str]:
     """A pytest command line whose outcomes the grader's plugin streams to ``report_fd``."""
-    return [sys.executable, "-m", "pytest", "-q", "-p", PLUGIN, "-p", "no:cacheprovider",
+    # --capture=no: what the ranks print (capped per launch) streams to the grader, which
+    # keeps a capped tail, instead of piling up in pytest's captured reports
+    return [sys.executable, "-m", "pytest", "-q", "--capture=no", "-p", PLUGIN,
+            "-p", "no:cacheprovider",
             f"--distlab-report-fd={report_fd}", f"--rootdir={tests_dir}", *args]
 
 
@@ -199,9 +207,12 @@ def memory_limit_mb() -> int:
     return max(2048, total // 8)
 
 
+NOTEBOOK_TIMEOUT = 4 * EXERCISE_TIMEOUT  # seconds for all the exercises of one notebook
+
+
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
           only: list[str] | None = None, memory_mb: int | None = None,
-          first_failure: bool = False) -> list[Result]:
+          first_failure: bool = False, total: float = NOTEBOOK_TIMEOUT) -> list[Result]:
     """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
     the file name, its exercises by the tests of ``tests_dir`` that declare it,
     :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest
@@ -211,17 +222,18 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     is missing scores 0 of its tests; an exercise cell of another lab is reported as
     ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
     ``first_failure``: stop at the first failing test (the message a student reads first;
-    the tests after it count as not run), as the kit's tests of wrong answers grade."""
-    import nbformat
-
-    from distlab.grading import hints, labs, notebook
+    the tests after it count as not run), as the kit's tests of wrong answers grade.
+    ``total``: seconds for the whole notebook; the exercises it leaves count as timed out.
+    The notebook is read by :func:`distlab.grading.notebook.read_submission` (raises
+    its SubmissionError)."""
+    from distlab.grading import hints, labs, notebook, sandbox
     from distlab.runtime import privileges
 
     every = labs.exercises(tests_dir)
     lab = labs.lab_of(path, every)
     if lab is None:
         return [Result(Path(path).name, 0, 0, "error", labs.unknown_lab_message(path, every))]
-    nb = nbformat.read(path, as_version=4)
+    nb = notebook.read_submission(path)
     found = notebook.exercises(nb)
     wanted = [name for name in every[lab] if not only or name in only]
     results_first = [Result(name, 0, 0, "error", f"{name} is not an exercise of {lab} (its "
@@ -239,6 +251,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     overran: set[str] = set()
     seconds = 0.0
     to_run = [name for name in wanted if name not in missing | counted_only]
+    deadline = time.monotonic() + total
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
@@ -251,19 +264,19 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
-        env.update(_hiding(Path(tmp), user, tests_dir))
-        env.update(_private_tmp(Path(tmp), tests_dir, user))
+        env.update(sandbox.rank_sandbox(Path(tmp), module, user))
         first = True
         while first or to_run:
             files_now = [files[n] for n in wanted if n in to_run or (first and n in counted_only)]
-            if not files_now:
+            if not files_now or time.monotonic() >= deadline:
                 break
             start = time.monotonic()
             code, out, got, stopped = _run_reported(
                 [f"--distlab-untouched={','.join(sorted(counted_only))}",
                  f"--distlab-exercise-timeout={timeout}",
                  *(["--maxfail=1"] if first_failure else []), *map(str, files_now)],
-                env, timeout * max(len(to_run), 1) + 120, tests_dir, timeout)
+                env, min(timeout * max(len(to_run), 1) + 120, deadline - time.monotonic()),
+                tests_dir, timeout)
             seconds += time.monotonic() - start
             records += got
             ended = any(r.get("end") for r in got)
@@ -276,6 +289,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                 break
             overran.add(stopped)  # the exercises that never started get a run of their own
             to_run = [name for name in to_run if name not in started]
+    out_of_time = time.monotonic() >= deadline
     collected: dict[str, dict] = {}
     for r in records:
         for c in r.get("collected", []) if isinstance(r.get("collected"), list) else []:
@@ -288,7 +302,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         mine = [c for c in collected.values() if c.get("exercise") == name]
         runnable = sum(not c["blocked"] for c in mine)
         code, out, ended = runs.get(name, (None, "", False))
-        broke = ("the tests did not finish within their time limit" if code is None else
+        broke = (f"the notebook's grading used its {total:g} s before these tests finished"
+                 if code is None and out_of_time else
+                 "the tests did not finish within their time limit" if code is None else
                  f"the test run ended before this test (exit status {code}): "
                  f"{' | '.join(out.strip().splitlines()[-2:])}")
         if name in missing:
@@ -323,61 +339,10 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     return results
 
 
-def _hiding(tmp: Path, user: str, tests_dir: Path) -> dict:
-    """The environment that makes graded ranks hide the library's answers' source files
-    (and the kit's solutions/, git history and tests, the exercise tests among them, whose
-    cases could compute the expected values) before they drop root: only where the
-    grader is root and can make namespaces (see :func:`distlab.runtime.privileges.hide_sources`)."""
-    from distlab.grading import labs, sandbox
-
-    if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
-        return {}
-    stub = tmp / "hidden.py"
-    stub.write_text(f"raise RuntimeError({labs.HIDDEN!r})\n")
-    stub.chmod(0o444)
-    empty = tmp / "hidden"
-    empty.mkdir(mode=0o555)
-    kit = Path(__file__).resolve().parents[3]
-    # the kit's solutions, its git history and a build's copy of the library hold the
-    # answers; the tests hold the expected values (the ranks get the tests' helpers by value)
-    paths = [str(p) for p in (kit / "solutions", kit / ".git", kit / "build", kit / "tests",
-                              labs.TESTS, tests_dir) if p.is_dir()]
-    return {"DISTLAB_SANDBOX_HIDE": json.dumps({"modules": labs.hidden_modules(), "paths": paths,
-                                                "stub": str(stub), "empty": str(empty)})}
-
-
-def _private_tmp(tmp: Path, tests_dir: Path, user: str) -> dict:
-    """The environment that gives the contained run a /tmp and /dev/shm of its own (root
-    and namespaces; see :func:`distlab.grading.sandbox._private_tmp`), keeping the
-    folders the run needs: the grader's, the tests', Python's path."""
-    from distlab.grading import sandbox
-
-    if not user or os.geteuid() != 0 or sandbox.containment() != "pidns":
-        return {}
-    keep = [str(tmp), str(tests_dir), sys.prefix, sys.exec_prefix,  # a venv under /tmp too
-            *os.environ.get("PYTHONPATH", "").split(os.pathsep), *sys.path]
-    return {"DISTLAB_PRIVATE_TMP": os.pathsep.join(k for k in keep if k)}
-
-
-def _readable_notebook(path: Path) -> str:
-    """Why ``path`` cannot be graded ("" when it can)."""
-    import nbformat
-
-    if not path.is_file():
-        return f"{path} does not exist (or is not a file)"
-    try:
-        nbformat.read(path, as_version=4)
-    except Exception as exc:  # invalid JSON, not a notebook, unreadable
-        return (f"{path} is not a readable notebook ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0] if str(exc) else ''}); open it in JupyterLab "
-                f"and save it again, or restore it from git")
-    return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from distlab.grading import labs
+    from distlab.grading import labs, notebook
     from distlab.runtime import privileges
 
     parser = argparse.ArgumentParser(prog="python -m distlab.grading",
@@ -386,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=EXERCISE_TIMEOUT,
                         help="seconds for the tests of one exercise (default %(default)s)")
+    parser.add_argument("--notebook-timeout", type=float, default=NOTEBOOK_TIMEOUT,
+                        help="seconds for all the exercises of one notebook (default "
+                             "%(default)s); those left count as timed out")
     parser.add_argument("--exercise", action="append", help="grade only this exercise")
     parser.add_argument("--memory", type=int, default=None,
                         help="MiB of data each graded rank may hold (default: an eighth of "
@@ -399,19 +367,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: students' code will run as root: {why}", file=sys.stderr)
     report, unreadable = {}, 0
     for path in args.notebooks:
-        problem = _readable_notebook(path)
-        if problem:
+        results = None
+        try:
+            notebook.read_submission(path)  # unreadable before unknown, as the user fixes them
+            if labs.lab_of(path) is None:
+                problem = labs.unknown_lab_message(path)
+            else:
+                results = grade(path, timeout=args.timeout, only=args.exercise,
+                                memory_mb=args.memory, total=args.notebook_timeout)
+        except notebook.SubmissionError as exc:
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 — one notebook never stops the batch
+            problem = (f"grading this notebook failed ({type(exc).__name__}: "
+                       f"{str(exc)[:300]}); the others were graded")
+        if results is None:
             print(f"\n{shown(path)}\nerror: {shown(problem)}", flush=True)
             report[str(path)] = {"error": problem}
             unreadable += 1
             continue
-        if labs.lab_of(path) is None:
-            problem = labs.unknown_lab_message(path)
-            print(f"\n{shown(path)}\nerror: {shown(problem)}", flush=True)
-            report[str(path)] = {"error": problem}
-            unreadable += 1
-            continue
-        results = grade(path, timeout=args.timeout, only=args.exercise, memory_mb=args.memory)
         print(table(results, title=f"\n{path}"), flush=True)
         report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
                                           "verdict": r.verdict, "message": r.message,

@@ -9,6 +9,8 @@ that the launcher controls each child's pipes, session and lifetime.
 
 Safety rules, because a wrong PID in a kill can end every process of the user:
 
+* Requests and replies are plain data (:mod:`distlab.runtime.plain`), never a pickle:
+  a rank that reached the server's socket could not make either side run code.
 * Every request carries a number and its reply carries it back; an exchange that is
   interrupted, times out or gets a reply out of turn throws the server away (its
   ranks die with it), so no later request can read an earlier one's answer.
@@ -24,16 +26,18 @@ closes, and its children die with it (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import importlib
 import io
 import itertools
 import os
-import pickle
 import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+
+from distlab.runtime import plain
 
 _MAX_MESSAGE = 1 << 20
 REPLY_TIMEOUT = 30.0  # seconds the server may take to answer one request
@@ -121,11 +125,11 @@ class ForkServer:
                 raise ForkServerError("the rank fork server was discarded")
             request = next(self.ids)
             try:
-                socket.send_fds(self.sock, [pickle.dumps((request, message))], list(fds))
+                socket.send_fds(self.sock, [plain.dumps((request, message))], list(fds))
                 data, got_fds, _, _ = socket.recv_fds(self.sock, _MAX_MESSAGE, 1)
                 if not data:
                     raise ForkServerError("the rank fork server exited")
-                number, reply = pickle.loads(data)
+                number, reply = plain.loads(data)
                 if number != request:
                     for fd in got_fds:
                         os.close(fd)
@@ -141,7 +145,7 @@ class ForkServer:
         descriptors become its channel to the launcher, its stdout and its stderr."""
         try:
             (_, pid), fds = self._ask(("spawn", env), (channel, stdout, stderr))
-        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+        except (OSError, EOFError, ValueError) as exc:
             raise ForkServerError(f"the rank fork server failed ({exc})") from exc
         if len(fds) != 1:
             raise ForkServerError("the fork server sent no pidfd for the new rank")
@@ -151,7 +155,7 @@ class ForkServer:
         """The exit status of an exited child, which the server then forgets."""
         try:
             (_, code), _ = self._ask(("reap", pid))
-        except (OSError, EOFError, pickle.UnpicklingError):
+        except (OSError, EOFError, ValueError):
             return -signal.SIGKILL  # the server is gone and its children with it
         return code
 
@@ -162,7 +166,7 @@ class ForkServer:
             return False
         try:
             (_, _, sent), _ = self._ask(("killpg", pid))
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+        except (OSError, EOFError, ValueError):
             return False
         return sent
 
@@ -196,8 +200,8 @@ class ForkServer:
 # ---------------------------------------------------------------------- the server side
 
 
-def _child(env: dict, channel: int, stdout: int, stderr: int, server_pid: int) -> None:
-    from distlab.runtime import worker
+def _child(env: dict, channel: int, stdout: int, stderr: int) -> None:
+    from distlab.runtime import confine, worker
 
     os.setsid()  # a session of its own: the launcher kills the rank's whole group
     os.dup2(stdout, 1)
@@ -207,12 +211,18 @@ def _child(env: dict, channel: int, stdout: int, stderr: int, server_pid: int) -
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
     run_as = env.get("DISTLAB_RUN_AS")
-    if run_as:  # the autograder's ranks run students' code as an unprivileged user
+    user = tuple(int(x) for x in run_as.split(":")) if run_as else None
+    sandbox = confine.from_env(env)
+    if sandbox is not None:  # the autograder's ranks: confined (the relay stays outside)
+        confine.enter(sandbox, user, [env["DISTLAB_DIR"]])
+    elif user:  # the autograder without namespaces: another user and the filter, at least
         from distlab.runtime.privileges import drop_privileges
 
-        drop_privileges(*(int(x) for x in run_as.split(":")))
+        drop_privileges(*user)
+        if confine.filter_available():
+            confine.install_seccomp()
     os.environ.clear()
-    os.environ.update(env, DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(server_pid))
+    os.environ.update(env, DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(os.getppid()))
     worker.main()  # sets PR_SET_PDEATHSIG, which a change of user would have cleared
 
 
@@ -228,15 +238,17 @@ def _serve(sock, children: set[int]) -> bool:
         return False
     if not data:
         return False
-    request, message = pickle.loads(data)
+    try:
+        request, message = plain.loads(data)
+    except (ValueError, TypeError):
+        return False  # not a request of the launcher's
     reply_fds: list[int] = []
     if message[0] == "spawn":
-        server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             try:
                 sock.close()
-                _child(message[1], *fds, server_pid)
+                _child(message[1], *fds)
             except BaseException:  # a rank that fails to start says why on its stderr
                 import traceback
 
@@ -269,7 +281,7 @@ def _serve(sock, children: set[int]) -> bool:
         reply = ("status", code)
     else:
         reply = ("error", f"unknown request {message[0]!r}")
-    socket.send_fds(sock, [pickle.dumps((request, reply))], reply_fds)
+    socket.send_fds(sock, [plain.dumps((request, reply))], reply_fds)
     for fd in reply_fds:
         os.close(fd)
     return True
@@ -283,7 +295,12 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     from distlab import comm  # noqa: F401
-    from distlab.runtime import plain, worker  # noqa: F401
+    from distlab.runtime import confine, privileges, worker  # noqa: F401
+
+    privileges.make_non_dumpable()  # a rank of the same user cannot trace it nor take its fds
+    sandbox = confine.from_env(os.environ)
+    for name in sandbox["modules"] if sandbox else ():  # imported once, before any fork
+        importlib.import_module(name)
 
     children: set[int] = set()
     warmed = False

@@ -18,7 +18,8 @@ from multiprocessing.connection import Connection, wait
 from distlab.runtime import plain
 from distlab.runtime.errors import LaunchError, LaunchTimeout, RankCrashed, RankError
 from distlab.runtime.forkserver import ForkServerError
-from distlab.runtime.rankproc import RankProcess, wait_exit
+from distlab.runtime.rankproc import (MAX_BUFFERED, SANDBOX_BUFFERED, RankProcess,
+                                     create_board, wait_exit)
 from distlab.runtime.report import (Shown, error_field, first_line, indent, innermost,
                                     missing_package_hint, tidy_stack, update_bar)
 
@@ -63,7 +64,7 @@ def check_capacity(world_size: int) -> None:
         f"under torchrun.")
 
 
-def _new_workdir(run_as) -> tuple[str, int]:
+def _new_workdir() -> tuple[str, int]:
     """A private directory for one pool, and a descriptor holding the lock that marks it
     in use; directories whose lock nobody holds (their launcher died) are removed. A
     directory younger than a minute is left alone: between its creation and the lock
@@ -88,8 +89,6 @@ def _new_workdir(run_as) -> tuple[str, int]:
     workdir = tempfile.mkdtemp(prefix=f"distlab-{os.getpid()}-")
     lock = os.open(os.path.join(workdir, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if run_as:
-        os.chown(workdir, *run_as)
     return workdir, lock
 
 
@@ -128,6 +127,16 @@ def _interrupts_deferred():
             raise KeyboardInterrupt
 
 
+def _without_sources(payload: bytes) -> bytes:
+    """A launch's payload without the source lines it carries for tracebacks: ranks of the
+    autograder run students' code, and the calls come from the exercise tests, whose
+    source must not reach them (the student's own module is a file the ranks can read)."""
+    import cloudpickle
+
+    data, _ = cloudpickle.loads(payload)  # made by this process's launcher, not a rank
+    return cloudpickle.dumps((data, {}))
+
+
 class Pool:
     """``world_size`` rank processes joined in one process group, reused across launches."""
 
@@ -140,7 +149,11 @@ class Pool:
         self.closed = False
         self.reusable = True
         run_as = sandbox or None
-        self.workdir, self._lock = _new_workdir(run_as)
+        self.workdir, self._lock = _new_workdir()
+        for r in range(world_size):  # every file root makes there, before the folder is given
+            create_board(os.path.join(self.workdir, f"status-{r}"), run_as)
+        if run_as:
+            os.chown(self.workdir, *run_as)
         env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                    DISTLAB_WORKER="1", DISTLAB_BACKEND=name, DISTLAB_DIR=self.workdir,
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -152,8 +165,9 @@ class Pool:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
         try:
             for r in range(world_size):
-                self.ranks.append(RankProcess(r, dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                                              self.workdir, run_as))
+                self.ranks.append(RankProcess(
+                    r, dict(env, RANK=str(r), LOCAL_RANK=str(r)), self.workdir, run_as,
+                    SANDBOX_BUFFERED if sandbox is not None else MAX_BUFFERED))
             self._wait_ready()
         except ForkServerError as exc:
             self.close(graceful=False)
@@ -193,6 +207,8 @@ class Pool:
                            f"({self.backend}, {self.world_size} ranks).{hint}\n{tail}")
 
     def submit(self, payload: bytes, timeout: float, stream: bool) -> list:
+        if self.sandbox is not None:
+            payload = _without_sources(payload)
         task_id = next(self._ids)
         cwd, path = os.getcwd(), list(sys.path)
         results: dict[int, object] = {}
@@ -445,6 +461,10 @@ class Pool:
                 for r in ranks:
                     with contextlib.suppress(OSError, ValueError):
                         r.send(("exit",))
+                wait_exit(ranks, 2.0)
+            if self.sandbox is not None:  # a confined rank's relay ends its PID namespace on
+                for r in ranks:           # SIGTERM and exits once every process in it is gone
+                    r.signal(signal.SIGTERM)
                 wait_exit(ranks, 2.0)
         finally:
             with _interrupts_deferred():

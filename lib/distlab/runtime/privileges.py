@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
-import importlib
-import json
 import os
 import sys
 
@@ -63,15 +60,11 @@ def drop_privileges(uid: int, gid: int) -> None:
     """Become ``uid``:``gid`` with no supplementary groups and no way back (no new
     privileges). One capability is kept, CAP_DAC_READ_SEARCH (read any file): the Python
     installation may sit in a folder only root can enter (``/root/.pyenv``), and the rank
-    must still import from it. Reading is not what the sandbox guards against: the user
-    cannot write the grader's files, nor signal or trace its processes. The capability is
-    lost on exec.
-
-    Where ``DISTLAB_SANDBOX_HIDE`` is set (the autograder, as root), files are hidden
-    first: see :func:`hide_sources`."""
-    spec = os.environ.get("DISTLAB_SANDBOX_HIDE")
-    if spec:
-        hide_sources(json.loads(spec))
+    must still import from it. This is the fallback where graded ranks cannot be confined
+    (:mod:`distlab.runtime.confine`, which mounts the installation in instead); the fork
+    server then installs confine's seccomp filter, which refuses open_by_handle_at, the
+    one call that would turn read-search into reading what a path cannot reach. The
+    capability is lost on exec."""
     prctl(PR_SET_KEEPCAPS, 1)
     os.setgroups([])
     os.setgid(gid)
@@ -81,47 +74,6 @@ def drop_privileges(uid: int, gid: int) -> None:
         raise OSError(ctypes.get_errno(), "capset failed")
     if not prctl(PR_SET_NO_NEW_PRIVS, 1):
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
-
-
-CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
-
-
-def hide_sources(spec: dict) -> None:
-    """As root, in a process about to drop root: import ``spec["modules"]``, then, in a
-    mount namespace of this process's own, bind ``spec["stub"]`` (a root-owned file) over
-    each one's source file and its cached bytecode, and ``spec["empty"]`` (a root-owned
-    empty folder) over each folder of ``spec["paths"]``. The modules stay usable (they
-    are imported); reading their files, even with CAP_DAC_READ_SEARCH, gives the stub.
-    The unprivileged user cannot unmount them (no CAP_SYS_ADMIN here, and in a user
-    namespace of its own they would be locked). Raises OSError when the kernel refuses."""
-    files = []
-    for name in spec.get("modules", ()):
-        path = getattr(importlib.import_module(name), "__file__", None)
-        if path:
-            folder, base = os.path.split(path)
-            stem = os.path.splitext(base)[0]
-            files += [path] + glob.glob(os.path.join(folder, "__pycache__", f"{stem}.*.pyc"))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNS) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"unshare(CLONE_NEWNS) failed: {os.strerror(err)}")
-    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount leaks out
-    for path in files:
-        mount(spec["stub"], path, None, MS_BIND)
-    for path in spec.get("paths", ()):
-        if os.path.isdir(path):
-            mount(spec["empty"], path, None, MS_BIND | MS_REC)
-
-
-def mount(source: str | None, target: str, fstype: str | None, flags: int,
-          data: str | None = None) -> None:
-    """mount(2) (Linux, root); OSError when the kernel refuses."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    args = [None if x is None else os.fsencode(x) for x in (source, target, fstype, data)]
-    if libc.mount(args[0], args[1], args[2], flags, args[3]) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount on {target!r} failed: {os.strerror(err)}")
 
 
 def _capset(caps: int) -> bool:

@@ -27,14 +27,30 @@ from distlab.runtime import plain
 from distlab.runtime.forkserver import ForkServer, wait_readable
 
 MAX_BUFFERED = 64 << 20  # bytes of one pipe's output kept between two takes
+SANDBOX_BUFFERED = 1 << 20  # the same for the autograder's ranks (students' code prints)
+
+
+def create_board(path: str, run_as=None) -> None:
+    """Create a rank's status-board file: a new file (O_EXCL: never an entry that exists,
+    link or not; O_NOFOLLOW), zeroed and given to ``run_as`` through its descriptor, so
+    that root never acts on a path that a student's process could have planted."""
+    from distlab.comm import StatusBoard
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, b"\0" * StatusBoard.SIZE)
+        if run_as:
+            os.fchown(fd, *run_as)
+    finally:
+        os.close(fd)
 
 
 class Capture:
     """A rank's stdout or stderr pipe, read by a thread as it comes."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, limit: int = MAX_BUFFERED):
         os.set_blocking(fd, False)
-        self.fd = fd
+        self.fd, self.limit = fd, limit
         self.lock = threading.Lock()
         self.buffer = bytearray()
         self.dropped = 0
@@ -73,7 +89,7 @@ class Capture:
                 return False
             if not chunk:
                 return False
-            room = MAX_BUFFERED - len(self.buffer)
+            room = self.limit - len(self.buffer)
             self.buffer += chunk[:max(room, 0)]
             self.dropped += max(len(chunk) - room, 0)
         return False
@@ -85,7 +101,7 @@ class Capture:
                 self._read_available()
             data = bytes(self.buffer)
             if self.dropped:
-                data += f"\n[... {self.dropped} bytes of output dropped]\n".encode()
+                data += f"\n[… {self.dropped / 2**20:.1f} MiB cut]\n".encode()
                 self.dropped = 0
             self.buffer.clear()
         return data
@@ -171,23 +187,19 @@ def stop_forkserver() -> None:
 class RankProcess:
     """Rank ``rank`` of a pool: process, pidfd, channel, output, status-board file."""
 
-    def __init__(self, rank: int, env: dict, workdir: str, run_as=None):
-        from distlab.comm import StatusBoard
-
+    def __init__(self, rank: int, env: dict, workdir: str, run_as=None,
+                 output_limit: int = MAX_BUFFERED):
+        """The rank's status board (``workdir``/status-RANK) must exist: :func:`create_board`."""
         self.rank = rank
         self.status_path = os.path.join(workdir, f"status-{rank}")
         self.stack_path = os.path.join(workdir, f"stack-{rank}.txt")
-        with open(self.status_path, "wb") as f:
-            f.write(b"\0" * StatusBoard.SIZE)
-        if run_as is not None:
-            os.chown(self.status_path, *run_as)
         self.proc = self.conn = self.out = self.err = None
         self._terminated = False
         ours, theirs = socket.socketpair()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            self.out, self.err = Capture(out_r), Capture(err_r)
+            self.out, self.err = Capture(out_r, output_limit), Capture(err_r, output_limit)
             self.conn = Connection(ours.detach())
             self.proc = _start(env, theirs.fileno(), out_w, err_w, run_as)
         except BaseException:
@@ -281,4 +293,4 @@ def wait_exit(procs, timeout: float) -> None:
             p.proc.wait(max(0.0, deadline - time.monotonic()))
 
 
-__all__ = ["Capture", "RankProcess", "stop_forkserver", "wait_exit", "wait_readable"]
+__all__ = ["Capture", "RankProcess", "create_board", "stop_forkserver", "wait_exit", "wait_readable"]
