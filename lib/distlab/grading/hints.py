@@ -7,8 +7,9 @@ what failed, not by the test's name alone:
 
 - ``{"test_name": {"phrase of the check's message": N, ...}}``: the hint N of the first
   phrase that the failing check's message contains; no pointer when none does;
-- ``{"test_name": N}`` (older files): hint N for any failure of that test; tests not
-  listed point to Hint 1.
+- ``{"test_name": N}`` (older files): hint N for any failure of that test;
+- ``{"*": {...}}``: the phrases of every test the file does not list by name (tests
+  neither listed nor covered by ``"*"`` point to Hint 1).
 
 A failure that is the student's own exception inside their code (the message says "your
 code raised", :func:`distlab.grading.output.rank_error`) gets no pointer: no hint is about
@@ -90,7 +91,7 @@ def pointer(hints: dict, found: dict[int, str], test_id: str, exercise: str,
 
     if not found or RAISED in message:
         return ""
-    number = hints.get(test_name(test_id), 1)
+    number = hints.get(test_name(test_id), hints.get("*", 1))
     if isinstance(number, dict):
         number = next((n for phrase, n in number.items() if phrase in message), None)
         if number is None:
