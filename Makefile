@@ -24,8 +24,8 @@ PYTEST_ARGS ?=
 CHECKS ?=
 RESULTS ?= results
 # make test spreads the test files over this many worker processes (pytest-xdist; each
-# file stays on one worker, heaviest first: a notebook's cells share a kernel, a module's
-# fixtures are built once; tests/conftest.py says which files go out case by case).
+# file stays on one worker, heaviest first (tests/conftest.py): a notebook's cells share a
+# kernel, a module's fixtures are built once).
 # TEST_WORKERS=0 runs everything in one process.
 # Three on a 2-core machine: much of the suite waits (kernels and ranks starting, time
 # limits and deadlocks reached on purpose), and a third worker fills that time.
@@ -57,7 +57,7 @@ lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/
 	$(VENV)/bin/jupyter lab --notebook-dir=labs
 
 test: $(STAMP) ## run every test: library, autograder, notebooks (nbval), browser when available
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
 
 test-browser: $(STAMP) ## only the browser test: JupyterLab in headless Chromium
 	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)

@@ -1,8 +1,8 @@
 """The suite's own budget: every run writes ``build/durations.json``, the seconds each
 unit of work took (its tests' set-up, call and tear-down added, as the worker that ran
 it spent them), and ``tests/test_budget.py`` fails on a unit over the budget in the
-last run. A unit is a test file or a solution notebook, or one case of a file in
-``SPLIT``, whose cases share nothing and go to workers one by one (``conftest.py``).
+last run. A unit is a test file or a solution notebook: ``make test``'s workers take
+whole files (``conftest.py``).
 Registered by ``conftest.py`` as a plugin object, so it sees every report: the
 notebooks' nbval cells as well as the tests, on the xdist controller as in one
 process."""
@@ -16,15 +16,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "build" / "durations.json"
 FILE_BUDGET_S = 60.0
-# Files whose parametrized cases share nothing: each case is a unit of its own.
-SPLIT = {"tests/test_grading_solutions.py", "tests/test_grading_labs.py"}
 
 
 def unit(nodeid: str) -> str:
-    """The unit of work that test ``nodeid`` belongs to."""
-    nodeid = nodeid.split("@")[0]  # xdist's loadgroup adds "@group"
-    path = nodeid.split("::")[0]
-    return nodeid if path in SPLIT else path
+    """The unit of work that test ``nodeid`` belongs to: its file."""
+    return nodeid.split("::")[0]
 
 
 class Durations:
@@ -33,7 +29,7 @@ class Durations:
         self.started = time.time()
 
     def pytest_runtest_logreport(self, report):
-        self.per_test[report.nodeid.split("@")[0]] += report.duration
+        self.per_test[report.nodeid] += report.duration
 
     def pytest_sessionfinish(self, session):
         if hasattr(session.config, "workerinput"):  # an xdist worker: the controller writes

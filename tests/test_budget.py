@@ -1,6 +1,6 @@
 """The suite's budget, read from the last run's record (``build/durations.json``,
 written by ``tests/durations.py`` at the end of every run): no unit of work (a test
-file, a solution notebook, a case of a split file) may take more than a minute, so that
+file, a solution notebook) may take more than a minute, so that
 whoever adds a slow test sees it in the next run. A fresh clone
 has no record yet; the whole suite's 10 minutes are CI's clock to measure."""
 import json
@@ -29,5 +29,5 @@ def test_no_unit_took_more_than_a_minute_in_the_last_run():
         f"in the run of {record['written']}, these took more than "
         f"{FILE_BUDGET_S:.0f} s: " + ", ".join(f"{f} ({s:.0f} s)" for f, s in slow.items())
         + ". Make their tests cheaper (a smaller world size or tensor that proves the same "
-        "thing, one launch shared by several checks), or split a file whose cases share "
-        "nothing (tests/durations.py, SPLIT)")
+        "thing, one launch shared by several checks), or split a file whose tests share "
+        "nothing")
