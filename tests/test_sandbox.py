@@ -9,6 +9,7 @@ import torch
 
 from distlab.runtime import plain
 from distlab.grading import sandbox
+from distlab.grading.student import Student
 from distlab.runtime import privileges
 
 _SPAWN = """
@@ -90,7 +91,7 @@ def test_the_students_module_is_read_not_run(tmp_path):
     module = tmp_path / "student.py"
     module.write_text("raise SystemExit('ran at import')\n\ndef f(x):\n    return x + 1\n"
                       "class Layer:\n    pass\nTABLE = 3\n")
-    student = sandbox.Student(module)
+    student = Student(module)
     assert student.names == {"f", "Layer", "TABLE"}
     assert repr(student.f) == "<the student's f>"
     with pytest.raises(AttributeError, match="defines no 'g'"):
@@ -102,7 +103,7 @@ def test_a_direct_call_runs_sandboxed_and_raises_the_same_builtin(tmp_path, monk
     module = tmp_path / "student.py"
     module.write_text("import os\n\ndef pid(x):\n    return os.getpid(), x * 2\n\n"
                       "def picky(x):\n    raise ValueError(f'bad {x}')\n")
-    student = sandbox.Student(module)
+    student = Student(module)
     pid, doubled = student.pid(21)
     assert pid != os.getpid() and doubled == 42
     with pytest.raises(ValueError, match="bad 7"):

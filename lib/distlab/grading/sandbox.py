@@ -16,7 +16,7 @@ to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
 
 1. **Grades come from processes that never run student code.** The grader and each
    exercise's pytest process never import the student's module: tests reach it through
-   :class:`Student`, whose ``student.NAME`` resolves to the real object only inside
+   :class:`distlab.grading.student.Student`, whose ``student.NAME`` resolves to the real object only inside
    launched ranks (or, called directly, inside a one-rank launch). Every check runs in the
    pytest process on what the ranks return.
 2. **Plain data on every channel.** Ranks of a sandbox (``DISTLAB_SANDBOX=1``) answer
@@ -25,7 +25,7 @@ to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
    the grading processes (the fork server included) are non-dumpable.
 3. **The maximum is the kit's** (:mod:`distlab.grading.labs`; see the runner).
 4. **The library's answers refuse** in the ranks of their exercise (``labs.disarm``),
-   and the private tables only they read are removed (:func:`_withhold_tables`); a test
+   and the private tables only they read are removed (:func:`distlab.grading.student._withhold_tables`); a test
    that reached one makes the exercise "refused": 0 points, no hint.
 5. **Absent, not hidden** (sandbox): a rank's root holds the Python installation, the
    site-packages and a copy of the package without ``grading/exercises`` and the answer
@@ -47,7 +47,7 @@ to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
    or blocking, only regular ones, up to a bound.
 8. **Limits.** Memory: each graded rank's data (RLIMIT_DATA) and, on gloo ranks, its
    address space (RLIMIT_AS: shared mappings too) grow by at most ``--memory``
-   (:func:`_limit_memory`; allocations past it are "out of memory"; per rank, not GPU
+   (:func:`distlab.grading.student._limit_memory`; allocations past it are "out of memory"; per rank, not GPU
    memory); tmpfs :data:`TMPFS_MB` each and :data:`PROCESSES` tasks per rank (sandbox);
    output 1 MiB per rank and launch, and the last :data:`OUTPUT_KEPT` bytes of a run,
    each cut with a "… N MiB cut" marker; time per exercise (limit plus a grace, timed
@@ -75,8 +75,6 @@ weights) are always checked outside the ranks.
 """
 from __future__ import annotations
 
-import ast
-import builtins
 import functools
 import json
 import os
@@ -88,216 +86,6 @@ import time
 from pathlib import Path
 
 from distlab.runtime.privileges import PR_SET_CHILD_SUBREAPER, prctl
-
-IMPORT_TIMEOUT = float(os.environ.get("DISTLAB_IMPORT_TIMEOUT", 60))  # seconds to import it
-CALL_TIMEOUT = 60.0    # seconds for one direct call of a student's function
-
-
-# ----------------------------------------------------------------- the student's module
-
-
-class StudentImportError(AssertionError):
-    """The student's module could not be imported in a rank (every test of it fails)."""
-
-
-class Student:
-    """The student's exercise module, seen from a process that must not import it.
-
-    ``student.NAME`` is a :class:`StudentRef` for each top-level name the module defines
-    (read from its source, never executed here). ``exercise`` is the exercise being
-    graded: the ranks that import the module for it first disarm the library's answers
-    to it (:func:`distlab.grading.labs.disarm`)."""
-
-    def __init__(self, path, exercise: str = ""):
-        self.path, self.exercise = str(path), exercise
-        self.names = _defined_names(Path(path).read_text())
-
-    def __getattr__(self, name: str) -> "StudentRef":
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name not in self.names:
-            raise AttributeError(f"your notebook defines no {name!r}: its exercise cell must "
-                                 f"define a function or class of exactly that name")
-        return StudentRef(self.path, name, self.exercise)
-
-    def check_import(self, timeout: float = IMPORT_TIMEOUT) -> None:
-        """Import the module once in a sandboxed rank; :class:`StudentImportError` says
-        in plain words why it failed (an error, an endless loop, an exit at import)."""
-        from distlab import launch
-
-        try:
-            launch.run(_import, 1, self.path, self.exercise, backend="gloo", timeout=timeout)
-        except launch.LaunchTimeout:
-            raise StudentImportError(
-                f"your notebook's exercise cells did not finish importing within "
-                f"{timeout:g} s: a cell runs something endless at the top level (code that "
-                f"should sit inside a function?)") from None
-        except launch.RankError as exc:
-            raise StudentImportError(
-                f"importing your notebook's exercise cells raised {exc.exc_type}: "
-                f"{exc.message}") from None
-        except launch.LaunchError as exc:
-            raise StudentImportError(
-                f"importing your notebook's exercise cells ended the process: "
-                f"{str(exc).splitlines()[0]}") from None
-
-
-class StudentRef:
-    """One name of the student's module: pickled, it resolves in the rank that loads it;
-    called here, the call runs in a sandboxed one-rank launch and returns plain data.
-    An exception the student's code raises comes back as the builtin exception of the
-    same class where there is one (ValueError, TypeError, NotImplementedError, ...)."""
-
-    def __init__(self, path: str, name: str, exercise: str = ""):
-        self.path, self.name, self.exercise = path, name, exercise
-
-    def __reduce__(self):
-        return _resolve, (self.path, self.name, self.exercise)
-
-    def __repr__(self) -> str:
-        return f"<the student's {self.name}>"
-
-    def __call__(self, *args, **kwargs):
-        from distlab import launch
-
-        try:
-            return launch.run(_call, 1, self, args, kwargs, backend="gloo",
-                              timeout=CALL_TIMEOUT)[0]
-        except launch.RankError as exc:
-            raise _as_builtin(exc) from None
-
-
-def _defined_names(source: str) -> set[str]:
-    from distlab.grading.notebook import UNPARSABLE
-
-    try:
-        tree = ast.parse(source)
-    except UNPARSABLE:
-        return set()
-    names = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
-    return names
-
-
-def _as_builtin(exc) -> BaseException:
-    cls = getattr(builtins, exc.exc_type, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        return cls(exc.message)
-    return exc
-
-
-_graded: list[str] = []  # the exercise this rank imported the student's module for
-
-
-@functools.lru_cache(maxsize=None)
-def _module(path: str, exercise: str = ""):
-    """The student's module, imported once per rank (inside the rank only), after the
-    library's answers to ``exercise`` were disarmed. A rank serves one exercise: the
-    grader's plugin starts fresh ranks for each (what the student's code did in a rank,
-    such as keeping a library function aside, must not reach another exercise)."""
-    import importlib.util
-
-    from distlab.grading import labs
-
-    if _graded and _graded[0] != exercise:
-        raise RuntimeError(f"this rank imported the student's module for {_graded[0]!r} and "
-                           f"cannot grade {exercise!r} (the grader starts fresh ranks for "
-                           f"each exercise)")
-    _graded.append(exercise)
-    _limit_memory()
-    _withhold_tables(exercise)
-    labs.disarm(exercise)
-    name = f"student_{Path(path).stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def _withhold_tables(exercise: str) -> list[str]:
-    """Remove from their modules the private tables (``_NAME`` globals that are data: no
-    function, class or module) that only the library's answers to ``exercise`` read, as
-    ``distlab.comm._BUS_FACTORS`` behind ``bus_factor``: the answer refuses, and the data
-    it was made of goes with it. A table another function of the module reads stays."""
-    import importlib
-    import inspect
-    import types
-
-    from distlab.grading import labs
-
-    answers: dict[types.ModuleType, set[str]] = {}
-    for reference in labs.ANSWERS.get(exercise, ()):
-        module_name, name = reference.split(":")
-        answers.setdefault(importlib.import_module(module_name), set()).add(name)
-    removed = []
-    for module, names in answers.items():
-        def reads(obj) -> set[str]:
-            found = set()
-            for fn in [obj] + ([v for v in vars(obj).values()] if isinstance(obj, type) else []):
-                fn = getattr(fn, "__func__", fn)
-                code = getattr(fn, "__code__", None)
-                stack = [code] if code else []
-                while stack:
-                    c = stack.pop()
-                    found.update(c.co_names)
-                    stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-            return found
-
-        tables = {n for n, v in vars(module).items() if n.startswith("_") and not n.startswith(
-            "__") and not callable(v) and not inspect.ismodule(v)}
-        by_answers = set().union(*(reads(getattr(module, n)) for n in names)) & tables
-        by_others = set().union(set(), *(reads(v) for n, v in vars(module).items()
-                                         if n not in names and (inspect.isfunction(v) or
-                                                                inspect.isclass(v))))
-        for name in sorted(by_answers - by_others):
-            delattr(module, name)
-            removed.append(f"{module.__name__}.{name}")
-    return removed
-
-
-def _limit_memory() -> None:
-    """Cap this rank's data (RLIMIT_DATA: heap and private writable mappings, which is
-    where tensors live) at DISTLAB_GRADE_MEMORY_MB, soft and hard, so the student's code
-    cannot raise it again; on a gloo rank also every new mapping, shared memory included
-    (RLIMIT_AS: the address space in use now plus the same amount; not with CUDA, which
-    reserves address space by the terabyte)."""
-    import resource
-
-    mb = os.environ.get("DISTLAB_GRADE_MEMORY_MB")
-    if mb:
-        limit = int(mb) * 2**20
-        caps = [(resource.RLIMIT_DATA, limit)]
-        if os.environ.get("DISTLAB_BACKEND") == "gloo":
-            caps.append((resource.RLIMIT_AS, _address_space() + limit))
-        for kind, cap in caps:
-            soft, hard = resource.getrlimit(kind)
-            if hard == resource.RLIM_INFINITY or hard > cap:
-                resource.setrlimit(kind, (cap, cap))
-
-
-def _address_space() -> int:
-    """Bytes of address space this process maps now (VmSize)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _resolve(path: str, name: str, exercise: str = ""):
-    return getattr(_module(path, exercise), name)
-
-
-def _import(path: str, exercise: str = "") -> None:
-    _module(path, exercise)
-
-
-def _call(fn, args, kwargs):
-    return fn(*args, **kwargs)
-
 
 # ------------------------------------------------------------ containing a process tree
 

@@ -29,7 +29,7 @@ Python, seconds of importing torch per rank): :func:`enter`, given a :func:`spec
    ENOSYS so that libc falls back to clone, whose namespace flags are refused.
 5. **limits**: processes (RLIMIT_NPROC, counted in the rank's user namespace), and the
    tmpfs sizes; memory is capped by the grader when the student's module is imported
-   (:func:`distlab.grading.sandbox._limit_memory`).
+   (:func:`distlab.grading.student._limit_memory`).
 
 Where any of this is unavailable (not Linux, a kernel or container that refuses a
 namespace), :func:`available` says why and the grader falls back to what

@@ -31,7 +31,7 @@ import cloudpickle
 import pytest
 
 from distlab.grading.plugin import blocked_reason, exercise_of
-from distlab.grading.sandbox import Student
+from distlab.grading.student import Student
 
 ROOT = Path(__file__).resolve().parents[4]  # a checkout of the kit: solutions/ is there
 
