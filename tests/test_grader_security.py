@@ -32,7 +32,7 @@ import pytest
 
 from pid_guard import SITECUSTOMIZE as _GUARD
 
-from distlab.grading import labs, notebook, runner, sandbox
+from distlab.grading import labs, notebook, runner, sandbox, student
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only a root grader changes user")
@@ -252,7 +252,9 @@ _PROBE = '''
 import glob as _glob, os as _os, subprocess as _subprocess, sys as _sys
 
 # At import, in every rank of both exercises: what an earlier exercise's ranks left in
-# /tmp, /var/tmp or /dev/shm; then leave marks there, and a detached process behind.
+# /tmp, /var/tmp or /dev/shm; then leave marks there; and in the first exercise's ranks, a
+# detached process behind (the second's own ranks are alive while its test looks).
+from distlab.grading import student as _student
 _TAG = _os.path.basename(_os.environ.get("DISTLAB_DIR", "x"))
 _CARRIED = [p for f in ("/tmp", "/var/tmp", "/dev/shm") for p in _glob.glob(f"{f}/MARK-*")
             if not p.endswith(_TAG)]
@@ -262,9 +264,10 @@ for _folder in ("/tmp", "/var/tmp", "/dev/shm"):
             _f.write("left behind by a student")
     except OSError:
         pass
-_subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(120)", "MARK"],
-                  start_new_session=True, stdin=_subprocess.DEVNULL,
-                  stdout=_subprocess.DEVNULL, stderr=_subprocess.DEVNULL)
+if _student._graded == ["ring_reduce_scatter"]:
+    _subprocess.Popen([_sys.executable, "-c", "import time; time.sleep(120)", "MARK"],
+                      start_new_session=True, stdin=_subprocess.DEVNULL,
+                      stdout=_subprocess.DEVNULL, stderr=_subprocess.DEVNULL)
 
 
 def probe(paths, folder):
@@ -414,8 +417,8 @@ def test_ring_traffic(student):
 @ROOT_ONLY
 def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(tmp_path):
     """One grading run of lab 03, two exercises, under a 512 MiB memory cap. In the ranks
-    of both, the student's module plants files in /tmp, /var/tmp and /dev/shm and leaves
-    a detached process. The second exercise's test finds: no process of the first left,
+    of both, the student's module plants files in /tmp, /var/tmp and /dev/shm; in the
+    first's, it also leaves a detached process. The second exercise's test finds: no process of the first left,
     nothing carried over; absent from the rank's filesystem: solutions/, .git, the
     exercise tests, the kit's tests, the answer modules' source and any other checkout
     beside the kit; no capability; file handles, tracing, other processes' memory and
@@ -439,7 +442,7 @@ def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(t
     constants = (f"PATHS = {paths!r}\nKIT = {str(ROOT)!r}\nFOLDER = {str(ROOT.parent)!r}\n"
                  f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n")
     ring = _RING_TESTS.format(name="ring_allreduce")
-    first = ring.index("\n\ndef test_sum")  # the probe's test first: no rank of its own yet
+    first = ring.index("\n\ndef test_sum")  # the probe's test first
     tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),
                               "ring_allreduce": ring[:first] + "\n" + constants
                               + _PROBE_TEST.replace("MARK", mark) + ring[first:]}, conftest=True)
@@ -752,7 +755,7 @@ def test_a_deep_ast_compiles_to_a_stub(tmp_path):
     nb.cells.append(cell)
     source = notebook.module_source(nb)
     assert "import os" in source and "does not compile" in source
-    assert sandbox._defined_names("x = " + "(" * 100_000) == set()
+    assert student._defined_names("x = " + "(" * 100_000) == set()
 
 
 # ------------------------------------------------------- 8. plain data only
@@ -847,8 +850,8 @@ def test_a_notebook_has_a_total_time(tmp_path):
 def test_the_tables_behind_a_refused_answer_are_withheld():
     """The private data only the refused answer reads (bus_factor's table) leaves the
     rank with it; tables other library code reads stay."""
-    probe = ("from distlab.grading import sandbox; import distlab.comm as c\n"
-             "print(sandbox._withhold_tables('bus_bandwidth'), hasattr(c, '_BUS_FACTORS'))")
+    probe = ("from distlab.grading import student; import distlab.comm as c\n"
+             "print(student._withhold_tables('bus_bandwidth'), hasattr(c, '_BUS_FACTORS'))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
