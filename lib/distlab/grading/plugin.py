@@ -6,6 +6,7 @@ reports tests of a tier this machine cannot run as "blocked"; stops an
 exercise's tests once they have used up its time."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -138,6 +139,7 @@ class _Recorder:
         self.out.write(json.dumps(record) + "\n")
 
     def pytest_collection_modifyitems(self, config, items):
+        gc.freeze()  # torch and the tests, imported: no collection walks them again
         self.refusals = refusals(config.rootpath)
         self.exercise = {item.nodeid: exercise_of(str(item.path)) for item in items}
         self._write({"collected": [{"test": item.nodeid, "exercise": self.exercise[item.nodeid],

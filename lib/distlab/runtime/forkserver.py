@@ -26,6 +26,7 @@ closes, and its children die with it (PR_SET_PDEATHSIG).
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import itertools
@@ -301,6 +302,8 @@ def main() -> None:
     sandbox = confine.from_env(os.environ)
     for name in sandbox["modules"] if sandbox else ():  # imported once, before any fork
         importlib.import_module(name)
+    gc.freeze()  # what is imported stays out of every collection: a rank's collector never
+    #              walks (and so never copies, page by page) the heap it shares with us
 
     children: set[int] = set()
     warmed = False
@@ -310,6 +313,7 @@ def main() -> None:
             # import on their first step, seconds a rank would otherwise spend itself.
             import torch._dynamo  # noqa: F401
 
+            gc.freeze()
             warmed = True
         if not _serve(sock, children):
             break
