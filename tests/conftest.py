@@ -6,10 +6,13 @@
   pytest imports them, from the folder of the exercise tests.
 - Every run records how long each unit of work took (``durations.py``).
 - How ``make test`` (``--dist loadfile --no-loadscope-reorder``) spreads the work over
-  its workers: each file is one unit (a module's fixtures are built once, a notebook's
-  cells share a kernel), and files go out heaviest first (``HEAVY``, then the rest in
-  collection order), so that no long file starts last.
+  its workers: in units (``durations.unit``). A unit is a file (a module's fixtures are
+  built once, a notebook's cells share a kernel), except in the files of ``SPLIT``, whose
+  tests each grade a notebook of their own and share nothing: there every test case is a
+  unit. Units go out heaviest first (``HEAVY``, then the rest in collection order), so
+  that no long one starts last.
 """
+import gc
 import sys
 
 import pytest
@@ -19,7 +22,7 @@ from distlab.grading.runner import TESTS
 
 sys.path.insert(0, str(TESTS))
 
-from durations import Durations  # noqa: E402  (tests/ is on sys.path)
+from durations import Durations, unit  # noqa: E402  (tests/ is on sys.path)
 # Units known to take longest (build/durations.json of a run shows them), first to go.
 HEAVY = ["tests/test_grading_solutions.py", "solutions/", "tests/test_mutants_",
          "tests/test_grader_security.py", "tests/test_nbgrader.py", "tests/test_browser.py",
@@ -36,6 +39,21 @@ def _rank(name: str) -> int:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _rank(item.nodeid))  # stable: a file's order is kept
+    gc.freeze()  # torch and every test module, imported: no collection walks them again
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``, xdist's scheduling by scope with our units as scopes
+    (``durations.unit``: a file, or a case of a split file)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(nodeid)
+    return ByUnit(config, log)
 
 
 def pytest_runtest_setup(item):

@@ -1,8 +1,8 @@
 """The suite's own budget: every run writes ``build/durations.json``, the seconds each
 unit of work took (its tests' set-up, call and tear-down added, as the worker that ran
 it spent them), and ``tests/test_budget.py`` fails on a unit over the budget in the
-last run. A unit is a test file or a solution notebook: ``make test``'s workers take
-whole files (``conftest.py``).
+last run. A unit is what ``make test``'s workers take whole (``conftest.py``): a test
+file, a solution notebook, or one case of a file of :data:`SPLIT`.
 Registered by ``conftest.py`` as a plugin object, so it sees every report: the
 notebooks' nbval cells as well as the tests, on the xdist controller as in one
 process."""
@@ -18,9 +18,26 @@ RECORD = ROOT / "build" / "durations.json"
 FILE_BUDGET_S = 60.0
 
 
+# Files whose tests share no fixture beyond a case or a test, split into smaller units:
+# "case", one per parameter (the tests of one mutant or one notebook go together), or
+# "test", one per test function (or class).
+SPLIT = {"tests/test_grading_solutions.py": "case", "tests/test_mutants_": "case",
+         "tests/test_grader_security.py": "test", "tests/test_grading.py": "test",
+         "tests/test_nbgrader.py": "test", "tests/test_browser.py": "test"}
+
+
 def unit(nodeid: str) -> str:
-    """The unit of work that test ``nodeid`` belongs to: its file."""
-    return nodeid.split("::")[0]
+    """The unit of work that test ``nodeid`` belongs to: its file, or for a file of
+    :data:`SPLIT` the file and the case's parameter (``tests/test_mutants_07.py[stack]``)
+    or its test function or class (``tests/test_grading.py::TestAHostileNotebook``)."""
+    file, _, test = nodeid.partition("::")
+    how = next((how for prefix, how in SPLIT.items() if file.startswith(prefix)), None)
+    name, bracket, param = test.partition("[")
+    if how == "case" and bracket:
+        return f"{file}[{param}"
+    if how:
+        return f"{file}::{name.split('::')[0]}"
+    return file
 
 
 class Durations:

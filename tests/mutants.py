@@ -31,6 +31,21 @@ def grade_mutants(folder: Path, lab: str, exercise: str, changes: dict) -> dict:
     return results
 
 
+def lazy_grades(folder: Path, lab: str, exercise: str, changes: dict):
+    """``grade(name)``: mutant ``name``'s Result, graded (alone) when a test first asks for
+    it, then kept. Each case of a mutant file is a unit of ``make test``'s workers of its
+    own (tests/conftest.py), so a case grades only the mutant it names."""
+    graded = {}
+
+    def grade(name: str):
+        if name not in graded:
+            sub = folder / f"m{len(graded)}"
+            sub.mkdir()
+            graded[name] = grade_mutants(sub, lab, exercise, {name: changes[name]})[name]
+        return graded[name]
+    return grade
+
+
 def assert_named(result, name: str, exercise: str, max_points: int, verdict: str,
                  says: list) -> None:
     """Mutant ``name``'s ``result`` fails with ``verdict`` short of ``max_points`` of

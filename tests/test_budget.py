@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from durations import FILE_BUDGET_S, RECORD
+from durations import FILE_BUDGET_S, RECORD, unit
 
 
 def over_budget(record: dict) -> dict:
@@ -18,6 +18,20 @@ def over_budget(record: dict) -> dict:
 def test_the_check_finds_a_slow_file():
     record = {"units": {"tests/test_fast.py": 3.0, "tests/test_slow.py": FILE_BUDGET_S + 1}}
     assert over_budget(record) == {"tests/test_slow.py": FILE_BUDGET_S + 1}
+
+
+def test_a_unit_is_a_file_or_a_case_of_a_split_file():
+    """What a worker takes whole: a notebook's cells and a plain file's tests together; one
+    mutant's (or one solution's) tests together; a test function (or class) of a file
+    split by test."""
+    assert unit("solutions/03_ring_allreduce.ipynb::Cell 4") == "solutions/03_ring_allreduce.ipynb"
+    assert unit("tests/test_zero.py::test_stage[3]") == "tests/test_zero.py"
+    assert unit("tests/test_mutants_07.py::test_a_mutant_fails[stack]") == \
+        unit("tests/test_mutants_07.py::test_the_deadlock[stack]") != \
+        unit("tests/test_mutants_07.py::test_a_mutant_fails[untied]")
+    assert unit("tests/test_grading.py::TestAHostileNotebook::test_x") == \
+        unit("tests/test_grading.py::TestAHostileNotebook::test_y") != \
+        unit("tests/test_grading.py::test_z[1]") == unit("tests/test_grading.py::test_z[2]")
 
 
 def test_no_unit_took_more_than_a_minute_in_the_last_run():

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from mutants import grade_mutants
+from mutants import lazy_grades
 
 EXERCISE = "ZeRO3Unit"
 
@@ -86,17 +86,17 @@ MUTANTS = [
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    """Every mutant graded, one after the other, each up to its first failing check
+    """Each mutant graded when a test first asks for it, up to its first failing check
     (each run is its own contained pytest process)."""
-    return grade_mutants(tmp_path_factory.mktemp("mutants"), "05_zero", EXERCISE,
-                         {**{name: change for name, change, *_ in MUTANTS},
-                          "views before the gather": VIEWS_FIRST})
+    return lazy_grades(tmp_path_factory.mktemp("mutants"), "05_zero", EXERCISE,
+                       {**{name: change for name, change, *_ in MUTANTS},
+                        "views before the gather": VIEWS_FIRST})
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
                          ids=[m[0] for m in MUTANTS])
 def test_a_wrong_zero3_unit_fails_naming_its_mistake(verdicts, name, says, first):
-    r = verdicts[name]
+    r = verdicts(name)
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
     assert says in r.message, (name, r.message)
     assert r.message.startswith(first), (name, r.message)
@@ -106,7 +106,7 @@ def test_the_students_own_exception_names_their_line_and_no_hint(verdicts):
     """The trial's first failure: the student's own exception inside their code gets no
     hint pointer, and the report names the student's line in the ZeRO3Unit cell (not
     torch's frame)."""
-    r = verdicts["views before the gather"]
+    r = verdicts("views before the gather")
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, r
     assert "your code raised RuntimeError: setStorage" in r.message, r.message
     assert "of the ZeRO3Unit cell, in before_forward: setattr(owner, attr, full[offset" in \

@@ -8,7 +8,7 @@ check (``first_failure=True``), one after the other.
 """
 import pytest
 
-from mutants import grade_mutants
+from mutants import lazy_grades
 
 LAB, EXERCISE = "06_tensor_parallel", "vocab_parallel_cross_entropy"
 
@@ -72,17 +72,17 @@ MUTANTS = [
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    """Every mutant graded, one after the other, each up to its first failing check
+    """Each mutant graded when a test first asks for it, up to its first failing check
     (each run is its own contained pytest process)."""
-    return grade_mutants(tmp_path_factory.mktemp("mutants"), LAB, EXERCISE,
-                         {name: change for name, change, *_ in MUTANTS})
+    return lazy_grades(tmp_path_factory.mktemp("mutants"), LAB, EXERCISE,
+                       {name: change for name, change, *_ in MUTANTS})
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
                          ids=[m[0] for m in MUTANTS])
 def test_a_wrong_vocab_parallel_cross_entropy_fails_naming_its_mistake(verdicts, name, says,
                                                                        first):
-    r = verdicts[name]
+    r = verdicts(name)
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
     assert says in r.message, (name, r.message)
     assert r.message.startswith(first), (name, r.message)

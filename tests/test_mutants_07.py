@@ -9,7 +9,7 @@ of its run waiting for its launch's time limit.
 """
 import pytest
 
-from mutants import assert_named, grade_mutants
+from mutants import assert_named, lazy_grades
 
 LAB, NAME = "07_pipeline_parallel", "run_stage"
 
@@ -90,14 +90,7 @@ EXPECTED = {
 def results(tmp_path_factory):
     """Mutant name -> its grade, each graded when a test first asks for it (so that
     ``-k`` runs only the mutants it selects)."""
-    folder, graded = tmp_path_factory.mktemp("mutants_07"), {}
-
-    def grade(name):
-        if name not in graded:
-            (folder / name).mkdir()
-            graded[name] = grade_mutants(folder / name, LAB, NAME, {name: MUTANTS[name]})[name]
-        return graded[name]
-    return grade
+    return lazy_grades(tmp_path_factory.mktemp("mutants_07"), LAB, NAME, MUTANTS)
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
@@ -105,6 +98,7 @@ def test_a_mutant_fails_and_its_mistake_is_named(results, name):
     assert_named(results(name), name, NAME, 11, *EXPECTED[name])
 
 
-def test_the_deadlock_is_reported_within_a_launch_timeout(results):
-    r = results("separate_groups")
+@pytest.mark.parametrize("name", ["separate_groups"])  # a unit with that mutant's case:
+def test_the_deadlock_is_reported_within_a_launch_timeout(results, name):  # graded once
+    r = results(name)
     assert r.seconds < 120, f"the deadlocking answer took {r.seconds:.0f} s to grade"

@@ -7,7 +7,7 @@ after the other.
 """
 import pytest
 
-from mutants import grade_mutants
+from mutants import lazy_grades
 
 LAB, EXERCISE = "08_overlap", "BucketedDDP"
 
@@ -29,14 +29,14 @@ MUTANTS = [
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    return grade_mutants(tmp_path_factory.mktemp("mutants"), LAB, EXERCISE,
-                         {name: change for name, change, *_ in MUTANTS})
+    return lazy_grades(tmp_path_factory.mktemp("mutants"), LAB, EXERCISE,
+                       {name: change for name, change, *_ in MUTANTS})
 
 
 @pytest.mark.parametrize("name, says, first", [(m[0], m[2], m[3]) for m in MUTANTS],
                          ids=[m[0] for m in MUTANTS])
 def test_a_wrong_bucketed_ddp_fails_naming_its_mistake(verdicts, name, says, first):
-    r = verdicts[name]
+    r = verdicts(name)
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
     assert says in r.message, (name, r.message)
     assert r.message.startswith(first), (name, r.message)

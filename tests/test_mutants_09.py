@@ -9,7 +9,7 @@ stopped at its first failing check.
 """
 import pytest
 
-from mutants import assert_named, grade_mutants
+from mutants import assert_named, lazy_grades
 
 LAB, NAME, GRID = "09_capstone", "distributed_train_step", "mesh_groups"
 
@@ -89,19 +89,19 @@ GRID_EXPECTED = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return grade_mutants(tmp_path_factory.mktemp("mutants_09"), LAB, NAME, MUTANTS)
+    return lazy_grades(tmp_path_factory.mktemp("mutants_09"), LAB, NAME, MUTANTS)
 
 
 @pytest.fixture(scope="module")
 def grid_results(tmp_path_factory):
-    return grade_mutants(tmp_path_factory.mktemp("mutants_09_grid"), LAB, GRID, GRID_MUTANTS)
+    return lazy_grades(tmp_path_factory.mktemp("mutants_09_grid"), LAB, GRID, GRID_MUTANTS)
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    assert_named(results[name], name, NAME, 9, *EXPECTED[name])
+    assert_named(results(name), name, NAME, 9, *EXPECTED[name])
 
 
 @pytest.mark.parametrize("name", list(GRID_MUTANTS))
 def test_a_grid_mutant_fails_and_its_clause_is_named(grid_results, name):
-    assert_named(grid_results[name], name, GRID, 4, *GRID_EXPECTED[name])
+    assert_named(grid_results(name), name, GRID, 4, *GRID_EXPECTED[name])

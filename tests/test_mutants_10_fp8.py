@@ -8,7 +8,7 @@ each stopped at its first failing check.
 """
 import pytest
 
-from mutants import assert_named, grade_mutants
+from mutants import assert_named, lazy_grades
 
 LAB, NAME = "10_long_context_experts", "fp8_linear"
 
@@ -46,9 +46,9 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return grade_mutants(tmp_path_factory.mktemp("mutants_10_fp8"), LAB, NAME, MUTANTS)
+    return lazy_grades(tmp_path_factory.mktemp("mutants_10_fp8"), LAB, NAME, MUTANTS)
 
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    assert_named(results[name], name, NAME, 9, *EXPECTED[name])
+    assert_named(results(name), name, NAME, 9, *EXPECTED[name])

@@ -51,35 +51,41 @@ def is_autograder(cell) -> bool:
     return bool(meta.get("grade")) and not meta.get("solution")
 
 
-@pytest.fixture(scope="module")
-def points():
-    """Exercise → its number of CPU tests, what its autograder cell is worth."""
-    return course.cpu_test_counts([name for lab in LABS for name in notebook.exercises(
+def points_of(labs: list[str]) -> dict[str, int]:
+    """Exercise of ``labs`` → its number of CPU tests, what its autograder cell is worth."""
+    return course.cpu_test_counts([name for lab in labs for name in notebook.exercises(
         nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4))])
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory, points):
-    """A course of every lab, and nbgrader's release of it."""
-    root = tmp_path_factory.mktemp("course")
-    course.write_course(root, points=points)
+def release(root: Path, labs: list[str]) -> tuple[Path, dict[str, int]]:
+    """A course of ``labs`` in ``root``, nbgrader's release of it, and its points."""
+    points = points_of(labs)
+    course.write_course(root, labs=labs, points=points)
     nbgrader(root, "generate_assignment", "*")
-    return root
+    return root, points
 
 
-def test_the_release_is_labs_plus_one_autograder_cell_per_exercise(released, points):
+@pytest.fixture
+def lab00(tmp_path):
+    """Lab 00's course and release, all that the grading tests below need (each test is a
+    unit of make test's workers of its own, tests/durations.py)."""
+    return release(tmp_path, ["00_setup"])
+
+
+def test_the_release_is_labs_plus_one_autograder_cell_per_exercise(tmp_path):
+    released, points = release(tmp_path, LABS)
     for lab in LABS:
-        release = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
+        given = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
         labs = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4)
-        kept = [c for c in release.cells if not is_autograder(c)]
+        kept = [c for c in given.cells if not is_autograder(c)]
         assert [(c.cell_type, c.source) for c in kept] == \
             [(c.cell_type, c.source) for c in labs.cells], (
             f"{lab}: nbgrader's release differs from labs/ beyond the autograder cells")
-        assert not any(c.get("outputs") for c in release.cells), f"{lab}: outputs released"
-        for i, cell in enumerate(release.cells):
+        assert not any(c.get("outputs") for c in given.cells), f"{lab}: outputs released"
+        for i, cell in enumerate(given.cells):
             name = notebook.grade_id(cell)
             if name:
-                after = release.cells[i + 1]
+                after = given.cells[i + 1]
                 assert is_autograder(after), f"{lab}: no autograder cell after {name}"
                 assert after.metadata.nbgrader["points"] == points[name] and \
                     f"autograde({lab + '.ipynb'!r}, {name!r}, points={points[name]})" \
@@ -87,10 +93,11 @@ def test_the_release_is_labs_plus_one_autograder_cell_per_exercise(released, poi
                 assert after.metadata.nbgrader["locked"], "students must not edit it"
 
 
-def test_autograde_records_the_points_of_make_grade(released, points):
+def test_autograde_records_the_points_of_make_grade(lab00):
     """nbgrader autograde of lab 00 with a partly wrong answer: the autograder cell prints
     the kit's verdict (the row `make grade` prints) and nbgrader's gradebook holds the
     same points."""
+    released, points = lab00
     lab = "00_setup"
     submission = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
     [cell] = [c for c in submission.cells if notebook.grade_id(c) == "all_reduce_mean"]
@@ -129,16 +136,17 @@ def all_reduce_mean(tensor, group=None):
 '''
 
 
-def test_the_contained_path_writes_scores_a_cell_override_cannot_change(released, points):
+def test_the_contained_path_writes_scores_a_cell_override_cannot_change(lab00):
     """`python -m distlab.grading.course COURSE --grade 00_setup` grades with the kit's
     contained grader and writes the gradebook: the notebook that overrides the autograder
     cell (and answers nothing) scores 0 there; the solution's answer scores full marks."""
+    released, points = lab00
     lab = "00_setup"
-    release = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
+    given = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
     solution = nbformat.read(ROOT / "solutions" / f"{lab}.ipynb", as_version=4)
     answer = next(c.source for c in solution.cells if notebook.grade_id(c) == "all_reduce_mean")
     for student, source in (("mallory", OVERRIDE), ("bob", answer)):
-        submission = nbformat.from_dict(release)
+        submission = nbformat.from_dict(given)
         [cell] = [c for c in submission.cells if notebook.grade_id(c) == "all_reduce_mean"]
         cell.source = source
         path = released / "submitted" / student / lab / f"{lab}.ipynb"
