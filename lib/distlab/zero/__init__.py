@@ -20,8 +20,10 @@ Modules, one concept each:
 * :mod:`~distlab.zero.kernel`: the sharded AdamW update as a CUDA kernel (cupy).
 
 :mod:`distlab.zero.memory` accounts the bytes each rank holds. The code of
-:class:`FlatParams`, :func:`adamw_` and :func:`zero2_step` (lab 05's answer) is in
-:mod:`distlab.reference.zero`.
+:class:`FlatParams`, :func:`adamw_` and :func:`zero2_step` is in
+:mod:`distlab.reference.zero`: the library's answers to the labs' exercises live in
+:mod:`distlab.reference`, and reading them before your work is graded defeats the
+exercise.
 """
 from distlab.shards import shard_range
 from distlab.reference.zero import adamw_, zero2_step
