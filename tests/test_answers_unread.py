@@ -25,13 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE = re.compile(r"\bdistlab(?:\.[A-Za-z_]\w*)+")
 SMALLEST = 12   # AST nodes: shorter bodies (a return, an attribute) are not an answer
 
-# Answers in named modules that other owners are moving (issue 32: lab 09's helper owns
-# distributed_train_step and mesh_groups; lab 01 is outside it). Strict: each must still
-# be found, so the entry goes when its answer moves.
+# Answers still in a named module (lab 01 is outside issue 32). Strict: each must still be
+# found, so the entry goes when its answer moves.
 PENDING = {
     "distlab.comm": "bus_bandwidth",            # lab 01 names distlab.comm; bus_factor
-    "distlab.mesh": "mesh_groups",              # lab 09: Grid, Mesh
-    "distlab.train": "distributed_train_step",  # lab 09: Trainer, build, train
 }
 
 
