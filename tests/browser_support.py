@@ -82,6 +82,9 @@ from distlab.bench.trace import Span, Timeline
 from distlab.viz.pipeline import PipelineExplorer
 from distlab.viz.timeline import TimelinePicker
 from distlab.viz.zero import MemoryCalculator
+import dataclasses
+from distlab import planner
+from distlab.viz.planner import Planner
 
 P, M = 4, 8      # lab 07's measured step: the ideal clock at 30 ms per forward
 measured = {pp.TITLES[name]: [dict(e, start=0.03 * e["start"], end=0.03 * e["end"])
@@ -109,7 +112,14 @@ def step(sizes, backward=0.02, latency=0.0015, per_mib=0.008):
 
 
 timelines = {"per parameter": step([4096] * 60 + [2**20]), "1/4 MiB": step([2**18] * 17),
-             "1 MiB": step([2**20] * 4 + [2**17]), "naive": step([int(4.1 * 2**20)])}'''
+             "1 MiB": step([2**20] * 4 + [2**17]), "naive": step([int(4.1 * 2**20)])}
+
+# lab 09's planner on its first run, Llama 3.1 405B (the lab's cell, with recomputation)
+LLAMA = planner.Plan(planner.Model(layers=126, d_model=16384, heads=128, vocab=128256, kv_heads=8,
+                                   ffn=53248, gated=True, tied=False),
+                     seq_len=8192, global_batch=2048, gpus=16384, gpu_bytes=80e9,
+                     peak_flops=989.4e12, intra_bw=370e9, inter_bw=50e9)
+LLAMA_RECOMPUTE = dataclasses.replace(LLAMA, recompute=True)'''
 WIDGET_CELLS = {
     "MemoryCalculator": "MemoryCalculator(num_params=7.5e9, world_size=64)",
     "PipelineExplorer": (
@@ -117,12 +127,13 @@ WIDGET_CELLS = {
         "PipelineExplorer(lambda title, stages, m: pp.simulate(pp.build_schedule("
         "BY_TITLE[title], stages, m)),\n                 measured, p=P, m=M)"),
     "TimelinePicker": 'TimelinePicker(timelines, description="buckets")',
+    "Planner": "Planner(LLAMA_RECOMPUTE)",
 }
 
 
 def widget_notebook(path: Path) -> Path:
-    """Write the notebook of the three widgets (no outputs) to ``path``."""
-    cells = [nbformat.v4.new_markdown_cell("The widgets of labs 05, 07 and 08."),
+    """Write the notebook of the widgets (no outputs) to ``path``."""
+    cells = [nbformat.v4.new_markdown_cell("The widgets of labs 05, 07, 08 and 09."),
              nbformat.v4.new_code_cell(WIDGET_PRELUDE)]
     cells += [nbformat.v4.new_code_cell(source) for source in WIDGET_CELLS.values()]
     nb = nbformat.v4.new_notebook(cells=cells)
@@ -133,7 +144,7 @@ def widget_notebook(path: Path) -> Path:
 
 
 def widgets_in_process() -> dict:
-    """The three widgets as the notebook of :func:`widget_notebook` makes them, made in
+    """The widgets as the notebook of :func:`widget_notebook` makes them, made in
     this process (for the static checks): name -> widget."""
     namespace: dict = {}
     exec(WIDGET_PRELUDE, namespace)

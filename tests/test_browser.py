@@ -304,6 +304,18 @@ def changes(image, act, what: str) -> float:
     return time.monotonic() - start
 
 
+def redraws(text, act, what: str) -> None:
+    """Run ``act`` and wait until the element ``text`` shows other words."""
+    from playwright.sync_api import expect
+
+    before = text.inner_text()
+    act()
+    try:
+        expect(text).not_to_have_text(before, timeout=30_000)
+    except AssertionError:
+        raise AssertionError(f"{what} did not change what the widget shows") from None
+
+
 def drag_to_end(page, slider, image) -> None:
     """Drag the handle of ``slider`` (an ipywidgets slider) to its right end as a hand
     does, through every value on the way, and hold it there a moment: ``image`` must not
@@ -322,7 +334,7 @@ def drag_to_end(page, slider, image) -> None:
     page.mouse.up()
 
 
-def test_widgets_of_labs_05_07_08_as_a_student_sees_them(lab, page):
+def test_widgets_of_labs_05_07_08_09_as_a_student_sees_them(lab, page):
     from distlab.viz.pipeline import LABEL_PT
     from playwright.sync_api import expect
 
@@ -384,6 +396,20 @@ def test_widgets_of_labs_05_07_08_as_a_student_sees_them(lab, page):
             "TimelinePicker")
     drawn_at_size(picker, "TimelinePicker, 1 MiB")
     shot(page, picker, "widgets.timeline-after")
+
+    # Lab 09: every box and switch redraws the table of layouts; labels whole.
+    plan = outputs["Planner"]
+    table = plan.locator(".widget-html pre")
+    expect(table).to_contain_text("suggested: dp=")
+    assert not plan.evaluate(CUT_LABELS_JS), f"planner labels cut short: {plan.evaluate(CUT_LABELS_JS)}"
+    shot(page, plan, "widgets.planner-before")
+    gpus = plan.locator(".widget-inline-hbox", has_text="GPUs").locator("input")
+    redraws(table, lambda: (gpus.fill("8192"), gpus.press("Enter")), "the planner's GPUs")
+    expect(table).to_contain_text("on 8,192 GPUs")
+    for switch in ("sequence parallelism", "FlashAttention", "recompute activations"):
+        box = plan.locator(".widget-checkbox", has_text=switch).locator("input")
+        redraws(table, box.click, f"the planner's {switch!r} switch")
+    shot(page, plan, "widgets.planner-after")
     assert not page.console_errors, f"the browser logged errors: {page.console_errors}"
     (ARTIFACTS / "widgets.lags.txt").write_text(
         "".join(f"{k}: {v:.2f} s from release to picture\n" for k, v in lags.items()))

@@ -341,14 +341,22 @@ def _alive_with(mark):
 
 
 def test_the_sandbox_holds(student):
-    import os, time
+    import os, sys, time
     deadline = time.monotonic() + 5  # the first exercise's ranks were shut down just now
     while _alive_with("MARK") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive_with("MARK"), "a process of the first exercise outlived it"
     found = student.probe(PATHS, FOLDER)
     assert found["visible"] == [], f"visible to a rank: {found['visible']}"
-    assert found["beside"] == [os.path.basename(KIT)], f"beside the kit: {found['beside']}"
+    # beside the kit a rank may see the kit and the folders of what it is given (the run's
+    # folder, the module, the path; all of them there when the checkout is in /tmp), and
+    # the marks it left in its own /tmp: nothing else of what is beside the kit here
+    given = [os.environ["DISTLAB_STUDENT"], os.environ["TMPDIR"], *filter(None, sys.path)]
+    allowed = {os.path.basename(KIT)} | {
+        os.path.relpath(g, FOLDER).split(os.sep)[0] for g in given
+        if not os.path.relpath(g, FOLDER).startswith("..")}
+    beside = [b for b in found["beside"] if b not in allowed and not b.startswith("MARK")]
+    assert beside == [], f"beside the kit: {beside}"
     assert found["carried"] == [], f"carried from an earlier exercise: {found['carried']}"
     assert set(found["caps"].values()) == {"0000000000000000"}, found["caps"]
     refused = {n: e for n, e in found["calls"].items() if e != 1}  # 1: EPERM

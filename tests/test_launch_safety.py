@@ -59,20 +59,31 @@ outs = []
 for p in procs:
     out, err = p.communicate(timeout=240)
     outs.append({"code": p.returncode, "out": out.strip(), "err": err[-2000:]})
-time.sleep(0.5)
-while True:  # as the init of a PID namespace, reap what was re-parented to us
-    try:
-        if os.waitpid(-1, os.WNOHANG)[0] == 0:
-            break
-    except ChildProcessError:
-        break
-left = []
-for entry in os.listdir("/proc"):
-    if entry.isdigit() and int(entry) != os.getpid():
+def others():
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                found.append(open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\\0", b" ").decode())
+            except OSError:
+                pass
+    return found
+
+
+# a fork server exits when its launcher's socket closes, which it sees once it is done
+# with what it was doing (its idle warm-up import: seconds on a loaded machine)
+deadline = time.monotonic() + 15
+while True:
+    while True:  # as the init of a PID namespace, reap what was re-parented to us
         try:
-            left.append(open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\\0", b" ").decode())
-        except OSError:
-            pass
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    left = others()
+    if not left or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
 print(json.dumps({"trials": outs, "left": left, "pid": os.getpid()}))
 """
 

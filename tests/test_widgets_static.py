@@ -372,7 +372,8 @@ def test_the_traffic_plots_key_covers_no_bar():
 
 @pytest.mark.parametrize("widget, lab", [("MemoryCalculator", "05_zero"),
                                          ("PipelineExplorer", "07_pipeline_parallel"),
-                                         ("TimelinePicker", "08_overlap")])
+                                         ("TimelinePicker", "08_overlap"),
+                                         ("Planner", "09_capstone")])
 def test_the_browser_test_displays_each_widget_as_its_lab_does(widget, lab):
     """The browser test's notebook (tests/browser_support.py) ends each display cell
     with the call its lab makes; a lab that calls the widget otherwise must be followed."""
