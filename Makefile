@@ -23,9 +23,10 @@ PYTEST_ARGS ?=
 # make acceptance: which checks (comma-separated; default all) and where their JSON goes
 CHECKS ?=
 RESULTS ?= results
-# make test spreads the test files over this many worker processes (pytest-xdist; each
-# file stays on one worker, heaviest first (tests/conftest.py): a notebook's cells share a
-# kernel, a module's fixtures are built once).
+# make test spreads its units of work over this many worker processes (pytest-xdist; a
+# unit, a file or a case of the grading files (tests/durations.py), stays on one worker,
+# heaviest first (tests/conftest.py): a notebook's cells share a kernel, a module's
+# fixtures are built once).
 # TEST_WORKERS=0 runs everything in one process.
 # Three on a 2-core machine: much of the suite waits (kernels and ranks starting, time
 # limits and deadlocks reached on purpose), and a third worker fills that time.

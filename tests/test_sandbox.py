@@ -120,3 +120,11 @@ def test_scalar_tensors_travel_as_plain_data():
     for t in (torch.tensor(2.5), torch.tensor(3, dtype=torch.bfloat16), torch.tensor(True)):
         back = plain.loads(plain.dumps(t))
         assert back.shape == () and back.dtype == t.dtype and back.item() == t.item()
+
+
+def test_a_probe_runs_its_check_in_a_child_and_says_what_it_raised():
+    """privileges.probe: "" when the check returns, its exception when it raises, and what
+    the check does to its process stays in the child."""
+    assert privileges.probe(lambda: os.environ.__setitem__("DISTLAB_PROBED", "1")) == ""
+    assert "DISTLAB_PROBED" not in os.environ
+    assert privileges.probe(lambda: 1 / 0).startswith("ZeroDivisionError")

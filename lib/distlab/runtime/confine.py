@@ -47,6 +47,8 @@ import signal
 import struct
 import sys
 
+from distlab.runtime.privileges import probe
+
 ENV = "DISTLAB_SANDBOX_SPEC"
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x08000000, 0x10000000, 0x20000000
@@ -329,25 +331,13 @@ def available(sp: dict) -> str:
     """"" when :func:`enter` works here with ``sp`` (checked in a forked probe), else why."""
     if sys.platform != "linux" or platform.machine() not in _CALLS:
         return f"no sandbox on {sys.platform}/{platform.machine()} (Linux x86-64 or aarch64)"
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read)
-            user = sp.get("probe_user")
-            enter(sp, tuple(user) if user else None, [])
-            if os.path.exists(os.path.join(sp["package"], "grading", "exercises")):
-                raise RuntimeError("the exercise tests are still visible")
-            os.write(write, b"ok")
-        except BaseException as exc:  # noqa: BLE001 — reported to the parent
-            os.write(write, f"{type(exc).__name__}: {exc}".encode()[:500])
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        answer = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    return "" if answer == "ok" else (answer or "the probe died")
+    def check():
+        user = sp.get("probe_user")
+        enter(sp, tuple(user) if user else None, [])
+        if os.path.exists(os.path.join(sp["package"], "grading", "exercises")):
+            raise RuntimeError("the exercise tests are still visible")
+
+    return probe(check)
 
 
 def filter_available() -> bool:

@@ -14,6 +14,28 @@ PR_SET_DUMPABLE, PR_SET_KEEPCAPS, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 
 CAP_DAC_READ_SEARCH = 2
 
 
+def probe(check) -> str:
+    """Run ``check()`` in a forked child, which exits at once after it: "" when it returned,
+    else what it raised (or that the child died). What a check changes in its process
+    (privileges dropped, namespaces entered) stays in the child."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            check()
+            os.write(write, b"ok")
+        except BaseException as exc:  # noqa: BLE001 — reported to the parent
+            os.write(write, f"{type(exc).__name__}: {exc}".encode()[:500])
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        answer = f.read().decode(errors="replace")
+    os.waitpid(pid, 0)
+    return "" if answer == "ok" else (answer or "the probe died")
+
+
 @functools.lru_cache(maxsize=None)
 def unprivileged_user() -> tuple[str, str]:
     """("uid:gid", "") of the user students' code runs as, or ("", why there is none).
@@ -35,23 +57,12 @@ def unprivileged_user() -> tuple[str, str]:
         return "", f"no user {wanted!r} on this machine (DISTLAB_SANDBOX_USER)"
     if uid == 0:
         return "", "DISTLAB_SANDBOX_USER names root"
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the probe: drop, then check that the interpreter's files are still readable
-        try:
-            os.close(read)
-            drop_privileges(uid, gid)
-            os.listdir(os.path.dirname(os.__file__))
-            os.write(write, b"ok")
-        except BaseException as exc:  # noqa: BLE001 — reported to the parent
-            os.write(write, f"{type(exc).__name__}: {exc}".encode()[:500])
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as f:
-        answer = f.read().decode(errors="replace")
-    os.waitpid(pid, 0)
-    if answer != "ok":
+    def check():  # drop, then the interpreter's files must still be readable
+        drop_privileges(uid, gid)
+        os.listdir(os.path.dirname(os.__file__))
+
+    answer = probe(check)
+    if answer:
         return "", f"cannot switch to uid {uid} here ({answer})"
     return f"{uid}:{gid}", ""
 
