@@ -71,8 +71,9 @@ def others():
 
 
 # a fork server exits when its launcher's socket closes, which it sees once it is done
-# with what it was doing (its idle warm-up import: seconds on a loaded machine)
-deadline = time.monotonic() + 15
+# with what it was doing (its imports at start or its idle warm-up: tens of seconds on a
+# machine loaded past its cores)
+deadline = time.monotonic() + 60
 while True:
     while True:  # as the init of a PID namespace, reap what was re-parented to us
         try:

@@ -142,11 +142,10 @@ def _train_step(net, opt, tokens):
     opt.step()
 
 
-def _measured_step(net, opt, tokens, meter) -> dict:
-    """One training step with the device synchronised between its phases: bytes in use
-    at its start, at the end of backward (gradients reduced) and at the end of the
-    optimizer step, each phase's peak, each phase's seconds, and
-    :func:`distlab.zero.memory.held_bytes` at the end of backward."""
+def _measured_step(net, opt, tokens, meter, baseline: int) -> dict:
+    """One step, synchronised between phases: bytes in use at its start, after backward
+    (once down to ``baseline`` + ``held_bytes``, or 2 s: gloo drops a collective's tensors
+    late when loaded) and after the step; each phase's peak and seconds; what is held."""
     from distlab.zero import memory
 
     opt.zero_grad(set_to_none=False)
@@ -154,8 +153,9 @@ def _measured_step(net, opt, tokens, meter) -> dict:
     out = {"start": meter.allocated()}
     meter.reset_peak()
     backward_seconds = _synced_backward(net, tokens)
-    out.update(end_of_backward=meter.allocated(), backward_peak=meter.peak())
     out["held"] = memory.held_bytes(net, opt).as_dict()
+    out.update(end_of_backward=meter.settle(baseline + out["held"]["total"], timeout=2.0),
+               backward_peak=meter.peak())
     meter.reset_peak()
     middle = time.perf_counter()
     opt.step()
@@ -207,7 +207,7 @@ def memory_section(cfg, batch: int, seq: int, steps: int) -> dict:
             units, whole = memory.units_of((opt, net)[hasattr(net, "flat_params")].flat_params())
             for _ in range(2):                      # warm-up: the optimizer's lazy state
                 _train_step(net, opt, tokens)
-            runs = [_measured_step(net, opt, tokens, meter) for _ in range(steps)]
+            runs = [_measured_step(net, opt, tokens, meter, baseline) for _ in range(steps)]
             del net, opt
             _release(device)
             left = meter.settle(baseline) - baseline

@@ -201,9 +201,13 @@ class ForkServer:
 # ---------------------------------------------------------------------- the server side
 
 
-def _child(env: dict, channel: int, stdout: int, stderr: int) -> None:
+def _child(env: dict, channel: int, stdout: int, stderr: int, server: int) -> None:
     from distlab.runtime import confine, worker
+    from distlab.runtime.privileges import PR_SET_PDEATHSIG, prctl
 
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # from the first moment: a server that dies
+    if os.getppid() != server:               # before the rank is set up takes it along
+        os._exit(1)
     os.setsid()  # a session of its own: the launcher kills the rank's whole group
     os.dup2(stdout, 1)
     os.dup2(stderr, 2)
@@ -245,11 +249,12 @@ def _serve(sock, children: set[int]) -> bool:
         return False  # not a request of the launcher's
     reply_fds: list[int] = []
     if message[0] == "spawn":
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
             try:
                 sock.close()
-                _child(message[1], *fds)
+                _child(message[1], *fds, server)
             except BaseException:  # a rank that fails to start says why on its stderr
                 import traceback
 
