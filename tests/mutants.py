@@ -10,38 +10,34 @@ from distlab.grading import notebook, runner
 SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 
 
-def grade_mutants(folder: Path, lab: str, exercise: str, changes: dict) -> dict:
-    """Mutant name → its :class:`~distlab.grading.runner.Result`. ``changes`` maps each
-    name to the ``(old, new)`` replacements of the solution's cell; each ``old`` must
-    stand in it exactly once. Graded one after the other: ``ast.parse``, which the
-    grader calls, is not thread-safe in CPython 3.11."""
-    solution = SOLUTIONS / f"{lab}.ipynb"
-    results = {}
-    for i, (name, pairs) in enumerate(changes.items()):
-        nb = nbformat.read(solution, as_version=4)
-        (cell,) = [c for c in nb.cells if notebook.grade_id(c) == exercise]
-        for old, new in pairs:
-            assert cell.source.count(old) == 1, (
-                f"the solution of {exercise} changed: mutant {name!r} no longer finds {old!r}")
-            cell.source = cell.source.replace(old, new)
-        path = folder / f"mutant{i}" / f"{lab}.ipynb"
-        path.parent.mkdir()
-        nbformat.write(nb, path)
-        (results[name],) = runner.grade(path, only=[exercise], first_failure=True)
-    return results
+def grade_mutant(folder: Path, lab: str, exercise: str, name: str, pairs) -> runner.Result:
+    """Mutant ``name``'s :class:`~distlab.grading.runner.Result`: the solution's cell of
+    ``exercise`` with the ``(old, new)`` replacements of ``pairs`` (each ``old`` must stand
+    in it exactly once), written under ``folder`` and graded up to its first failure."""
+    nb = nbformat.read(SOLUTIONS / f"{lab}.ipynb", as_version=4)
+    (cell,) = [c for c in nb.cells if notebook.grade_id(c) == exercise]
+    for old, new in pairs:
+        assert cell.source.count(old) == 1, (
+            f"the solution of {exercise} changed: mutant {name!r} no longer finds {old!r}")
+        cell.source = cell.source.replace(old, new)
+    path = folder / f"{lab}.ipynb"
+    nbformat.write(nb, path)
+    (result,) = runner.grade(path, only=[exercise], first_failure=True)
+    return result
 
 
 def lazy_grades(folder: Path, lab: str, exercise: str, changes: dict):
-    """``grade(name)``: mutant ``name``'s Result, graded (alone) when a test first asks for
-    it, then kept. Each case of a mutant file is a unit of ``make test``'s workers of its
-    own (tests/conftest.py), so a case grades only the mutant it names."""
+    """``grade(name)``: mutant ``name``'s Result (``changes[name]`` its replacements),
+    graded when a test first asks for it, then kept. Each case of a mutant file is a unit
+    of ``make test``'s workers of its own (tests/conftest.py), so a case grades only the
+    mutant it names."""
     graded = {}
 
     def grade(name: str):
         if name not in graded:
             sub = folder / f"m{len(graded)}"
             sub.mkdir()
-            graded[name] = grade_mutants(sub, lab, exercise, {name: changes[name]})[name]
+            graded[name] = grade_mutant(sub, lab, exercise, name, changes[name])
         return graded[name]
     return grade
 

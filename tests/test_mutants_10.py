@@ -8,7 +8,7 @@ each stopped at its first failing check.
 """
 import pytest
 
-from mutants import assert_named, grade_mutants
+from mutants import assert_named, grade_mutant
 
 LAB = "10_long_context_experts"
 
@@ -68,5 +68,5 @@ EXPECTED = {
 @pytest.mark.parametrize("name", list(RING) + list(MOE))
 def test_a_mutant_fails_and_its_mistake_is_named(tmp_path, name):
     exercise, changes = ("ring_attention", RING) if name in RING else ("moe_dispatch_combine", MOE)
-    result = grade_mutants(tmp_path, LAB, exercise, {name: changes[name]})[name]
+    result = grade_mutant(tmp_path, LAB, exercise, name, changes[name])
     assert_named(result, name, exercise, MAX_POINTS[exercise], *EXPECTED[name])

@@ -143,9 +143,8 @@ def _train_step(net, opt, tokens):
 
 
 def _measured_step(net, opt, tokens, meter, baseline: int) -> dict:
-    """One step, synchronised between phases: bytes in use at its start, after backward
-    (once down to ``baseline`` + ``held_bytes``, or 2 s: gloo drops a collective's tensors
-    late when loaded) and after the step; each phase's peak and seconds; what is held."""
+    """One step, synced between phases: bytes in use at its start, after backward (once
+    down to ``baseline`` + ``held_bytes`` + DP's flags: gloo frees late) and after it."""
     from distlab.zero import memory
 
     opt.zero_grad(set_to_none=False)
@@ -154,7 +153,8 @@ def _measured_step(net, opt, tokens, meter, baseline: int) -> dict:
     meter.reset_peak()
     backward_seconds = _synced_backward(net, tokens)
     out["held"] = memory.held_bytes(net, opt).as_dict()
-    out.update(end_of_backward=meter.settle(baseline + out["held"]["total"], timeout=2.0),
+    flags = sum(b.flags.nbytes for b in getattr(net, "buckets", ()))  # DataParallel's
+    out.update(end_of_backward=meter.settle(baseline + out["held"]["total"] + flags, 2.0),
                backward_peak=meter.peak())
     meter.reset_peak()
     middle = time.perf_counter()
