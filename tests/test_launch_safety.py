@@ -138,6 +138,61 @@ def test_an_interrupted_exchange_discards_the_fork_server(monkeypatch):
         server.spawn({}, 0, 1, 2)
 
 
+_PREFORK = """
+import json, os, sys, threading
+from distlab.runtime.forkserver import ForkServer
+
+secret_r, secret_w = os.pipe()  # stands for the grader's report pipe
+server = ForkServer.forked()
+pid = server.proc.pid
+read, write = os.pipe()
+child = server.spawn({"PATH": os.environ.get("PATH", "")}, read, write, write)
+os.close(read)
+os.close(write)
+fds = sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd"))
+exited = child.wait(30)
+code = child.returncode()
+child.close()
+session = os.getsid(pid)
+server.close()
+stop = threading.Event()
+thread = threading.Thread(target=stop.wait)
+thread.start()
+refused = ForkServer.forked() is None
+stop.set()
+thread.join()
+print(json.dumps({"fds": fds, "pipes": [os.readlink(f"/proc/self/fd/{fd}") for fd in (secret_r, secret_w)],
+                  "rank": [exited, code], "session": session, "server": pid,
+                  "closed": server.proc.returncode, "refused": refused}))
+"""
+
+
+def test_a_fork_server_forked_from_its_launcher_keeps_nothing_of_it(tmp_path):
+    """The grader's pytest forks its ranks' server from itself before it imports a test
+    (``ForkServer.forked``): the server keeps only its socket and the standard three of
+    the launcher's descriptors, leads a session of its own, forks ranks, exits when its
+    socket closes, and is refused in a process that runs another Python thread."""
+    (tmp_path / "guard").mkdir()
+    (tmp_path / "guard" / "sitecustomize.py").write_text(_GUARD)
+    (tmp_path / "prefork.py").write_text(_PREFORK)
+    log = tmp_path / "signals.log"
+    env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
+        [str(tmp_path / "guard")] + [p for p in sys.path if p]))
+    cmd = [sys.executable, str(tmp_path / "prefork.py")]
+    if sandbox.containment() == "pidns":
+        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not log.exists(), f"a signal to PID <= 1 was attempted:\n{log.read_text()}"
+    sockets = [fd for fd in report["fds"] if fd.startswith("socket:")]
+    assert len(sockets) == 1 and len(report["fds"]) == 4, report["fds"]
+    assert not set(report["pipes"]) & set(report["fds"]), "the launcher's pipe reached the server"
+    assert report["rank"] == [True, 1], "a rank without its environment exits at once, with 1"
+    assert report["session"] == report["server"] and report["closed"] == 0
+    assert report["refused"], "forked from a process with another Python thread"
+
+
 def _exits_at_once():
     return os.getpid()
 

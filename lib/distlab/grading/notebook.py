@@ -20,8 +20,6 @@ import stat
 import sys
 from pathlib import Path
 
-import nbformat
-
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 STUB = "raise NotImplementedError"
 _REGION = re.compile(rf"^([ \t]*){re.escape(BEGIN)}[^\n]*\n.*?^[ \t]*{re.escape(END)}[^\n]*$",
@@ -64,6 +62,9 @@ def read_submission(path: Path, max_mb: float = MAX_NOTEBOOK_MB):
         raise SubmissionError(f"{path} is larger than {max_mb:g} MiB, more than a lab "
                               f"notebook can be: clear its outputs (Edit > Clear Outputs "
                               f"of All Cells), save, and submit it again")
+    import nbformat  # here, not at the top: the grader's pytest, which imports this module's
+    #                  helpers, never reads a notebook (nbformat's schema checks cost ~1.3 s)
+
     try:
         return nbformat.reads(data.decode("utf-8"), as_version=4)
     except Exception as exc:  # noqa: BLE001 — invalid UTF-8, JSON, notebook: said, not quoted
@@ -153,6 +154,8 @@ def module_source(nb) -> str:
 
 
 def release_dir(solutions: Path, labs: Path) -> list[Path]:
+    import nbformat
+
     labs.mkdir(parents=True, exist_ok=True)
     written = []
     for src in sorted(solutions.glob("*.ipynb")):
@@ -165,6 +168,8 @@ def release_dir(solutions: Path, labs: Path) -> list[Path]:
 def stale(solutions: Path, labs: Path) -> list[str]:
     """Names of labs that differ from the release of their solution, or are missing,
     or have no solution."""
+    import nbformat
+
     bad = []
     for src in sorted(solutions.glob("*.ipynb")):
         dst = labs / src.name
@@ -178,6 +183,7 @@ def stale(solutions: Path, labs: Path) -> list[str]:
 def execute(path: Path, timeout: float = 900) -> None:
     """Run a notebook top to bottom in a fresh kernel and store its outputs in place
     (how solutions/ gets its outputs; nbval then checks they are reproduced)."""
+    import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)

@@ -20,6 +20,9 @@ Safety rules, because a wrong PID in a kill can end every process of the user:
   process group the child leads, stay the child's; group kills go through the server,
   which checks that the child is its own and unreaped. Nothing is ever sent to PID ≤ 1.
 
+The grader's pytest forks the server from itself instead (:meth:`ForkServer.forked`),
+before it imports any test, so that one import of torch serves both.
+
 Linux only (fork after importing torch is unsafe on macOS); elsewhere the launcher starts
 ranks as fresh interpreters. The server exits when the launcher's end of its socket
 closes, and its children die with it (PR_SET_PDEATHSIG).
@@ -37,6 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
+import warnings
 
 from distlab.runtime import plain
 
@@ -100,6 +104,39 @@ class Child:
             self.fd = -1
 
 
+class _Forked:
+    """``Popen``'s ``poll``, ``wait`` and ``kill`` for a child forked by this process,
+    through a pidfd (a signal never reaches a recycled PID)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.fd, self.returncode = pid, os.pidfd_open(pid), None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._reap(os.WNOHANG)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not wait_readable(self.fd, timeout):
+                raise subprocess.TimeoutExpired("distlab.runtime.forkserver", timeout)
+            self._reap(0)
+        return self.returncode
+
+    def _reap(self, flags: int) -> None:
+        pid, status = os.waitpid(self.pid, flags)
+        if pid:
+            self.returncode = _exit_code(status)
+            os.close(self.fd)
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self.fd, signal.SIGKILL)
+            except OSError:  # already exited
+                pass
+
+
 class ForkServer:
     """The launcher's handle on the server process."""
 
@@ -113,11 +150,60 @@ class ForkServer:
                                          start_new_session=True)
         finally:
             theirs.close()
-        ours.settimeout(REPLY_TIMEOUT)
-        self.sock = ours
+        self._adopt(ours)
+
+    def _adopt(self, sock: socket.socket) -> None:
+        sock.settimeout(REPLY_TIMEOUT)
+        self.sock = sock
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
         self.broken = False
+
+    @classmethod
+    def forked(cls) -> "ForkServer | None":
+        """A server forked from this process, whose imports (:func:`prepare`) it then
+        shares: a fresh one imports torch again (about 2 CPU-seconds). None where this
+        process runs another Python thread, which may hold a lock the child would then
+        never see released (the native pools that numpy and torch start at import, such
+        as OpenBLAS's, are the ones every rank is forked with, made safe by their fork
+        handlers). Only for a process
+        that holds nothing a rank may see: the grader's pytest before it imports a test
+        (:mod:`distlab.grading.plugin`). The server keeps no descriptor but its socket
+        and the standard three, and has a session of its own."""
+        prepare()
+        if threading.active_count() != 1:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with warnings.catch_warnings():  # Python 3.12 counts the native pools' threads too
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ours.close()
+                os.setsid()
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                keep = {0, 1, 2, theirs.fileno()}
+                for fd in map(int, os.listdir("/proc/self/fd")):
+                    if fd not in keep:
+                        try:
+                            os.close(fd)
+                        except OSError:  # the listing's own descriptor, already closed
+                            pass
+                serve(theirs)
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        theirs.close()
+        server = cls.__new__(cls)
+        server.proc = _Forked(pid)
+        server._adopt(ours)
+        return server
 
     def _ask(self, message, fds=()):
         """One request, one reply; anything that breaks the exchange discards the server."""
@@ -293,15 +379,19 @@ def _serve(sock, children: set[int]) -> bool:
     return True
 
 
-def main() -> None:
-    sock = socket.socket(fileno=int(os.environ.pop("DISTLAB_FORKSERVER_FD")))
-    # What every rank needs, imported once. Nothing here may start a thread or CUDA.
+def prepare() -> None:
+    """Import what every rank needs. Nothing here may start a thread or touch CUDA."""
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
     from distlab import comm  # noqa: F401
     from distlab.runtime import confine, privileges, worker  # noqa: F401
+
+
+def serve(sock: socket.socket) -> None:
+    """Fork ranks on the requests of ``sock`` until its other end closes."""
+    from distlab.runtime import confine, privileges
 
     privileges.make_non_dumpable()  # a rank of the same user cannot trace it nor take its fds
     sandbox = confine.from_env(os.environ)
@@ -322,6 +412,12 @@ def main() -> None:
             warmed = True
         if not _serve(sock, children):
             break
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(os.environ.pop("DISTLAB_FORKSERVER_FD")))
+    prepare()
+    serve(sock)
 
 
 if __name__ == "__main__":

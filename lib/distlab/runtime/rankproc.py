@@ -176,6 +176,19 @@ def _start(env: dict, channel: int, stdout: int, stderr: int, run_as):
     return server.spawn(env, channel, stdout, stderr)
 
 
+def prefork() -> None:
+    """Fork the rank fork server from this process now (:meth:`ForkServer.forked`), so
+    that it shares this process's import of torch; where that cannot be done, the first
+    launch starts a fresh one as usual. Linux only, and only in a process that holds
+    nothing a rank may see."""
+    global _forkserver
+    if sys.platform != "linux":
+        return
+    with _forkserver_lock:
+        if _forkserver is None or not _forkserver.alive():
+            _forkserver = ForkServer.forked()
+
+
 def stop_forkserver() -> None:
     global _forkserver
     with _forkserver_lock:
@@ -293,4 +306,4 @@ def wait_exit(procs, timeout: float) -> None:
             p.proc.wait(max(0.0, deadline - time.monotonic()))
 
 
-__all__ = ["Capture", "RankProcess", "create_board", "stop_forkserver", "wait_exit", "wait_readable"]
+__all__ = ["Capture", "RankProcess", "create_board", "prefork", "stop_forkserver", "wait_exit", "wait_readable"]
