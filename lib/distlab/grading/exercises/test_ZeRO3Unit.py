@@ -35,6 +35,7 @@ from distlab.comm import CommLog
 from distlab.grading import expect_close
 
 NOTEBOOK = "05_zero"
+RANK_IMPORTS = ("torch._dynamo",)  # its ranks import it (a traced grading): the fork server, once
 # the hint to open, by the words of the check that failed (Hint 1: the moments and what
 # runs there; 2: one place for every gradient; 3: freeing under autograd's saved tensors;
 # 4: uneven shards in equal pieces; 5: the recipe)
@@ -227,7 +228,9 @@ def rank_run(cls, group_ranks=None, train=True):
                     loss.backward()
                 except Exception as e:
                     raise in_backward(e)
-            after_backward = tracker.settle(before + NUMEL * ELEMENT // 2, timeout=0.5) - before
+            start, end = span(world, me)              # check_memory's bound: the shard's
+            after_backward = tracker.settle(            # gradient and the margin
+                before + (end - start) * ELEMENT + NUMEL * ELEMENT // 2, timeout=0.5) - before
             if step == TWICE:                         # accumulate: a second backward
                 again = loss_of(unit(x), t)
                 try:
