@@ -271,7 +271,7 @@ if _student._graded == ["ring_reduce_scatter"]:
 
 
 def probe(paths, folder):
-    import ctypes, linecache, mmap, os, signal, time
+    import ctypes, linecache, mmap, os, signal, sys, time
     from distlab.runtime.confine import _CALLS
     import platform
     found = {"visible": [p for p in paths if os.path.exists(p)], "carried": _CARRIED}
@@ -293,6 +293,7 @@ def probe(paths, folder):
                             ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0))
         found["calls"][name] = 0 if code >= 0 else ctypes.get_errno()
     found["linecache"] = [f for f in linecache.cache if "ring_cases" in f or "test_" in f]
+    found["preloaded"] = "json.tool" in sys.modules  # the test's RANK_IMPORTS, by the server
     children = []
     for _ in range(400):  # processes: forked until refused
         try:
@@ -362,6 +363,7 @@ def test_the_sandbox_holds(student):
     refused = {n: e for n, e in found["calls"].items() if e != 1}  # 1: EPERM
     assert not refused, f"system calls not refused: {refused}"
     assert found["linecache"] == [], f"the tests' source reached the rank: {found['linecache']}"
+    assert found["preloaded"], "the fork server did not import the test's RANK_IMPORTS"
     assert 0 < found["forked"] < PROCESSES, found["forked"]
     assert found["shm_mib"] <= TMPFS_MB, found["shm_mib"]
     assert found["shared_map"] != "held", "a 1 GiB shared mapping past the memory limit"
@@ -431,7 +433,7 @@ def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(t
     exercise tests, the kit's tests, the answer modules' source and any other checkout
     beside the kit; no capability; file handles, tracing, other processes' memory and
     descriptors, namespaces, mounts, BPF and io_uring refused (EPERM); no test source in
-    the rank's linecache; forks stop below the process limit, /dev/shm at its size, a
+    the rank's linecache; the module the test declares in RANK_IMPORTS already imported; forks stop below the process limit, /dev/shm at its size, a
     1 GiB shared mapping fails. And the machine's /tmp, /var/tmp and /dev/shm hold none
     of the marks. Meanwhile the forgers all-reduce behind the tracer's back and log a
     ring's sends: ring_reduce_scatter's traffic point rests on the bytes counted on the
@@ -448,7 +450,8 @@ def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(t
     paths = [str(p) for p in (ROOT / "solutions", ROOT / ".git", ROOT / "tests", runner.TESTS,
                               Path(distlab.reference.zero.__file__))]
     constants = (f"PATHS = {paths!r}\nKIT = {str(ROOT)!r}\nFOLDER = {str(ROOT.parent)!r}\n"
-                 f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n")
+                 f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n"
+                 f"RANK_IMPORTS = ('json.tool',)\n")
     ring = _RING_TESTS.format(name="ring_allreduce")
     first = ring.index("\n\ndef test_sum")  # the probe's test first
     tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),

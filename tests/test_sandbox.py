@@ -128,3 +128,45 @@ def test_a_probe_runs_its_check_in_a_child_and_says_what_it_raised():
     assert privileges.probe(lambda: os.environ.__setitem__("DISTLAB_PROBED", "1")) == ""
     assert "DISTLAB_PROBED" not in os.environ
     assert privileges.probe(lambda: 1 / 0).startswith("ZeroDivisionError")
+
+
+def test_the_fork_server_preloads_only_what_the_kit_and_its_dependencies_name():
+    """sandbox.preloads: the kit's and its dependencies' modules an import line names (a
+    ``from`` import: the package and each name that may be a submodule); never another
+    package, a relative import, the exercise tests, or a line that does not parse."""
+    lines = ["import matplotlib.pyplot as plt", "from distlab import viz, comm",
+             "import os, numpy", "import evil_package", "from . import sibling",
+             "from distlab.grading import exercises", "import distlab.grading.exercises.ring_cases",
+             "from torch.optim import *", "import matplotlib.pyplot", "def (", "x" + "+x" * 10**5]
+    assert sandbox.preloads(lines) == ["matplotlib.pyplot", "distlab", "distlab.viz",
+                                       "distlab.comm", "numpy", "distlab.grading", "torch.optim"]
+    assert len(sandbox.preloads([f"import torch.m{i}" for i in range(1000)])) == sandbox.MAX_PRELOAD
+
+
+def test_what_the_fork_server_preloads_for_the_solutions_starts_no_thread(tmp_path):
+    """Every module the solutions' imports and the exercise tests' RANK_IMPORTS name,
+    imported as the fork server does, starts no thread beyond those of torch's import
+    (which the server has made before): a fork copies no thread, so a lock one held would
+    be held forever in every rank."""
+    import subprocess
+    from pathlib import Path
+
+    import nbformat
+
+    from distlab.grading import labs, notebook
+
+    root = Path(__file__).resolve().parents[1]
+    lines = [line for nb in sorted((root / "solutions").glob("*.ipynb"))
+             for line in notebook.imports(nbformat.read(nb, as_version=4))]
+    declared = sorted({m for f in labs.TESTS.glob("test_*.py") for m in labs.rank_imports(f)})
+    assert declared, "no exercise test declares RANK_IMPORTS"
+    names = sandbox.preloads(lines) + declared
+    assert "matplotlib.pyplot" in names and "torch._dynamo" in names, names
+    code = ("import importlib, os, sys, torch\nprint(len(os.listdir('/proc/self/task')))\n"
+            "for n in sys.argv[1:]:\n    try:\n        importlib.import_module(n)\n"
+            "    except Exception:\n        pass\nprint(len(os.listdir('/proc/self/task')))")
+    out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path, env=dict(os.environ, MPLBACKEND="Agg"))
+    assert out.returncode == 0, out.stderr
+    torch_alone, after = out.stdout.split()[-2:]
+    assert after == torch_alone, f"threads: {torch_alone} with torch, {after} after {names}"

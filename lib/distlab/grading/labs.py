@@ -188,14 +188,32 @@ def hidden_modules() -> list[str]:
 # ----------------------------------------------------------------- the kit agrees
 
 
-def _test_notebook(test_file: Path) -> str | None:
-    """The ``NOTEBOOK = "..."`` a test file declares (read, never imported)."""
+def _declared(test_file: Path, name: str):
+    """The literal a test file assigns to ``name`` at its top level (read, never
+    imported), or None."""
     for node in ast.parse(test_file.read_text()).body:
         if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "NOTEBOOK" for t in node.targets):
-            value = node.value
-            return value.value if isinstance(value, ast.Constant) else None
+                isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return None
     return None
+
+
+def _test_notebook(test_file: Path) -> str | None:
+    """The ``NOTEBOOK = "..."`` a test file declares."""
+    lab = _declared(test_file, "NOTEBOOK")
+    return lab if isinstance(lab, str) else None
+
+
+def rank_imports(test_file: Path) -> tuple[str, ...]:
+    """The modules a test file's ranks import after they start (``RANK_IMPORTS = (...)``:
+    torch's optimizers import ``torch._dynamo``, ~1 CPU-s, at their first step), which
+    the graded ranks' fork server imports once for all of them
+    (:func:`distlab.grading.sandbox.rank_sandbox`)."""
+    names = _declared(test_file, "RANK_IMPORTS") or ()
+    return tuple(n for n in names if isinstance(n, str))
 
 
 def problems(solutions: Path, tests_dir: Path = TESTS) -> list[str]:

@@ -264,7 +264,8 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
-        env.update(sandbox.rank_sandbox(Path(tmp), module, user))
+        env.update(sandbox.rank_sandbox(Path(tmp), module, user, notebook.imports(nb), sorted(
+            {m for name in to_run for m in labs.rank_imports(files[name])})))
         first = True
         while first or to_run:
             files_now = [files[n] for n in wanted if n in to_run or (first and n in counted_only)]

@@ -31,7 +31,11 @@ to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
    site-packages and a copy of the package without ``grading/exercises`` and the answer
    modules (nor their bytecode), the student's module and the pool's folder; the rest of
    the kit's checkout (``solutions/``, ``tests/``, ``.git``, other checkouts beside it)
-   is not there. The launcher sends sandboxed ranks no test source for tracebacks.
+   is not there. The launcher sends sandboxed ranks no test source for tracebacks. The
+   fork server imports, as the grader and before it forks a rank, only what the kit
+   names: the answer modules, the exercise tests' ``RANK_IMPORTS`` and the modules of the
+   kit and its dependencies that the student's import lines name (:func:`preloads`),
+   never the exercise tests.
 6. **No privilege** (sandbox): the rank's user (as root: ``nobody`` or
    ``DISTLAB_SANDBOX_USER``; otherwise the grader's own, in a user namespace) holds no
    capability and cannot gain one; the seccomp filter refuses opening files by handle,
@@ -75,6 +79,7 @@ weights) are always checked outside the ranks.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import os
@@ -344,7 +349,8 @@ def _readable_paths(kit: Path | None) -> list[str]:
     return found
 
 
-def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str]) -> dict:
+def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str],
+          preload: list[str] = ()) -> dict:
     import distlab
 
     from distlab.runtime import confine
@@ -356,7 +362,7 @@ def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str])
                       package_view=str(_package_view(tmp / "view" / "distlab")),
                       readable=_readable_paths(kit), hidden_roots=[str(kit)] if kit else [],
                       new_root=str(root), files=files, tmpfs_mb=TMPFS_MB,
-                      processes=PROCESSES, modules=modules)
+                      processes=PROCESSES, modules=modules, preload=preload)
     if run_as:
         sp["probe_user"] = list(run_as)
     return sp
@@ -379,18 +385,53 @@ def confinement() -> str:
         return confine.available(_spec(Path(tmp), [], run_as, []))
 
 
-def rank_sandbox(tmp: Path, module: Path, user: str) -> dict:
+PRELOADABLE = ("distlab", "torch", "numpy", "matplotlib", "IPython", "ipywidgets")
+MAX_PRELOAD = 200
+
+
+def preloads(import_lines: list[str]) -> list[str]:
+    """The modules that the student's module's ``import_lines`` name (``from a import b``:
+    ``a`` and, if it is one, the submodule ``a.b``) of the kit and the packages it depends
+    on (:data:`PRELOADABLE`; the exercise tests excepted): the ranks' fork server imports
+    them before it forks a rank, once for all the ranks of the run, which would otherwise
+    each import them (matplotlib and the widgets: about 0.5 CPU-s a rank). Importing runs
+    a module's code as the grader, so no other package's name is taken from a student."""
+    names: list[str] = []
+    for line in import_lines:
+        try:
+            nodes = ast.parse(line).body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                         if a.name != "*"]
+            else:
+                continue
+            names += [n for n in found if n.split(".")[0] in PRELOADABLE and n not in names
+                      and not n.startswith("distlab.grading.exercises")]
+    return names[:MAX_PRELOAD]
+
+
+def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
+                 rank_imports: list[str] = ()) -> dict:
     """The environment that confines every graded rank of a grading run
     (:mod:`distlab.runtime.confine`): the rank's root is built from ``tmp`` (the run's own
-    folder); the student's ``module`` is the one file of it the ranks see. {} where
-    :func:`confinement` says it cannot be done here."""
+    folder); the student's ``module`` is the one file of it the ranks see. The fork server
+    imports for the ranks what the module's ``imports`` (its import lines) name
+    (:func:`preloads`) and what the graded tests' ranks import later (``rank_imports``,
+    :func:`distlab.grading.labs.rank_imports`). {} where :func:`confinement` says it
+    cannot be done here."""
     from distlab.grading import labs
     from distlab.runtime import confine
 
     if confinement():
         return {}
     run_as = tuple(int(x) for x in user.split(":")) if user else None
-    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, labs.hidden_modules()))}
+    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, labs.hidden_modules(),
+                                          [*preloads(list(imports)), *rank_imports]))}
 
 
 def _init(cmd: list[str]) -> int:

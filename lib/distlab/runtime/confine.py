@@ -143,13 +143,15 @@ def install_seccomp() -> None:
 
 def spec(*, package: str, package_view: str, readable: list[str], hidden_roots: list[str],
          new_root: str, files: list[str], tmpfs_mb: int, processes: int,
-         modules: list[str]) -> dict:
+         modules: list[str], preload: list[str] = ()) -> dict:
     """What :func:`enter` builds (all paths absolute, made by the grader, which sees all):
     ``package`` is bound from ``package_view``; ``readable`` are bound read-only;
     top-level folders holding one of ``hidden_roots`` or an unreachable readable path are
     rebuilt from the readable paths alone; ``files`` (the student's module) are bound
     read-only; ``new_root`` is an empty folder to build on; ``modules`` are imported
-    before the root changes (the answers, which the view leaves out)."""
+    before the root changes (the answers, which the view leaves out); ``preload`` are
+    imported by the fork server before it forks a rank, where importing one fails too
+    (:func:`distlab.grading.sandbox.preloads` chooses them)."""
     def unreachable(path: str) -> bool:
         parts = path.strip("/").split("/")
         for i in range(1, len(parts) + 1):
@@ -164,7 +166,7 @@ def spec(*, package: str, package_view: str, readable: list[str], hidden_roots: 
                       {p.strip("/").split("/")[0] for p in readable if unreachable(p)})
     return {"package": package, "package_view": package_view, "readable": sorted(set(readable)),
             "skeleton": skeleton, "new_root": new_root, "files": files, "tmpfs_mb": tmpfs_mb,
-            "processes": processes, "modules": modules}
+            "processes": processes, "modules": modules, "preload": list(preload)}
 
 
 def _bind(source: str, target: str, writable: bool = False) -> None:

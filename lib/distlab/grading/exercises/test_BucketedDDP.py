@@ -41,6 +41,7 @@ from distlab.dp import plan_buckets
 from distlab.grading import expect_close
 
 NOTEBOOK = "08_overlap"
+RANK_IMPORTS = ("torch._dynamo",)  # its ranks import it (a traced grading): the fork server, once
 # The hint to open, by the words of the check that failed (1: where code runs as a
 # gradient completes, 2: the group, 3: gradients in the bucket, 4: when a bucket is
 # complete and which launches, 5: what is left for finish, 6: the recipe).

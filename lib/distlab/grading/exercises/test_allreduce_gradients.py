@@ -24,6 +24,7 @@ from distlab.grading import expect_close, wire
 from dp_cases import local_loss, make_model, one_process, snapshot
 
 NOTEBOOK = "04_data_parallel"
+RANK_IMPORTS = ("torch._dynamo",)  # its ranks import it (a traced grading): the fork server, once
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 STEPS, LR = 3, 0.5
