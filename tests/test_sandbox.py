@@ -146,8 +146,9 @@ def test_the_fork_server_preloads_only_what_the_kit_and_its_dependencies_name():
 def test_what_the_fork_server_preloads_for_the_solutions_starts_no_thread(tmp_path):
     """Every module the solutions' imports and the exercise tests' RANK_IMPORTS name,
     imported as the fork server does, starts no thread beyond those of torch's import
-    (which the server has made before): a fork copies no thread, so a lock one held would
-    be held forever in every rank."""
+    (which the server has made before) and leaves CUDA uninitialised: a fork copies no
+    thread, so a lock one held would be held forever in every rank, and a forked rank
+    cannot use a CUDA its parent initialised."""
     import subprocess
     from pathlib import Path
 
@@ -164,9 +165,11 @@ def test_what_the_fork_server_preloads_for_the_solutions_starts_no_thread(tmp_pa
     assert "matplotlib.pyplot" in names and "torch._dynamo" in names, names
     code = ("import importlib, os, sys, torch\nprint(len(os.listdir('/proc/self/task')))\n"
             "for n in sys.argv[1:]:\n    try:\n        importlib.import_module(n)\n"
-            "    except Exception:\n        pass\nprint(len(os.listdir('/proc/self/task')))")
+            "    except Exception:\n        pass\nprint(len(os.listdir('/proc/self/task')))\n"
+            "print(torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code, *names], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path, env=dict(os.environ, MPLBACKEND="Agg"))
     assert out.returncode == 0, out.stderr
-    torch_alone, after = out.stdout.split()[-2:]
+    torch_alone, after, cuda = out.stdout.split()[-3:]
     assert after == torch_alone, f"threads: {torch_alone} with torch, {after} after {names}"
+    assert cuda == "False", f"importing {names} initialised CUDA"
