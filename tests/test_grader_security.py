@@ -579,7 +579,7 @@ def test_a_rank_past_its_memory_is_reported_out_of_memory(tmp_path):
                         tests, memory=1024)
     r = results["all_reduce_mean"]
     assert (r["points"], r["max_points"], r["verdict"]) == (0, 1, "out of memory"), r
-    assert "each graded rank may hold 1024 MiB" in r["message"], r
+    assert "each graded rank may allocate 1024 MiB" in r["message"], r
 
 
 # ---------------------------------------------------------- 5. the terminal

@@ -59,7 +59,7 @@ def _verdict_of(exc) -> tuple[str, str]:
         limit = os.environ.get("DISTLAB_GRADE_MEMORY_MB")
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return "out of memory", (f"out of memory: {first}" + (
-            f" (each graded rank may hold {limit} MiB)" if limit else ""))
+            f" (each graded rank may allocate {limit} MiB beyond what it starts with)" if limit else ""))
     if isinstance(exc, NotImplementedError) or (
             isinstance(exc, RankError) and exc.exc_type == "NotImplementedError"):
         return "not attempted", "not implemented yet (raise NotImplementedError)"

@@ -21,9 +21,9 @@ own clock from the moment its tests start: past the limit plus a grace of 10-30 
 stops the whole run, whatever it is stuck on (student code cannot extend that), reports
 the exercise's unfinished tests as "timeout", and reruns the exercises not yet started.
 
-Memory: each graded rank may hold ``--memory`` MiB of data (RLIMIT_DATA, set before the
-student's module is imported, soft and hard); an exercise whose failures are allocations
-refused is reported as "out of memory".
+Memory: each graded rank may hold ``--memory`` MiB of data beyond what it starts with
+(RLIMIT_DATA, set before the student's module is imported, soft and hard); an exercise
+whose failures are allocations refused is reported as "out of memory".
 
 Isolation: each exercise's tests run on ranks of their own (the warm ranks are thrown
 away between exercises, and after any failure), with the library's answers to that
@@ -196,7 +196,7 @@ MISSING = ("the exercise cell for {name} is missing or lost its nbgrader metadat
 
 
 def memory_limit_mb() -> int:
-    """MiB of data each graded rank may hold (``DISTLAB_GRADE_MEMORY_MB``, else an eighth
+    """MiB of data each graded rank may allocate (``DISTLAB_GRADE_MEMORY_MB``, else an eighth
     of the machine's memory and at least 2 GiB: four ranks then take at most half)."""
     if os.environ.get("DISTLAB_GRADE_MEMORY_MB"):
         return int(os.environ["DISTLAB_GRADE_MEMORY_MB"])
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                              "%(default)s); those left count as timed out")
     parser.add_argument("--exercise", action="append", help="grade only this exercise")
     parser.add_argument("--memory", type=int, default=None,
-                        help="MiB of data each graded rank may hold (default: an eighth of "
+                        help="MiB of data each graded rank may allocate (default: an eighth of "
                              "this machine's memory, at least 2048)")
     args = parser.parse_args(argv)
     if not args.timeout > 0:

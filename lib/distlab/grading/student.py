@@ -186,22 +186,34 @@ def _withhold_tables(exercise: str) -> list[str]:
 
 def _limit_memory() -> None:
     """Cap this rank's data (RLIMIT_DATA: heap and private writable mappings, which is
-    where tensors live) at DISTLAB_GRADE_MEMORY_MB, soft and hard, so the student's code
-    cannot raise it again; on a gloo rank also every new mapping, shared memory included
-    (RLIMIT_AS: the address space in use now plus the same amount; not with CUDA, which
-    reserves address space by the terabyte)."""
+    where tensors live) at what it holds now plus DISTLAB_GRADE_MEMORY_MB, soft and hard,
+    so the student's code cannot raise it again; on a gloo rank also every new mapping,
+    shared memory included (RLIMIT_AS: the address space in use now plus the same amount;
+    not with CUDA, which reserves address space by the terabyte). What the rank inherits
+    from its fork server (torch, CUDA's libraries, the modules preloaded for it) is not
+    the student's to pay for."""
     import resource
 
     mb = os.environ.get("DISTLAB_GRADE_MEMORY_MB")
     if mb:
         limit = int(mb) * 2**20
-        caps = [(resource.RLIMIT_DATA, limit)]
+        caps = [(resource.RLIMIT_DATA, _status_bytes("VmData") + limit)]
         if os.environ.get("DISTLAB_BACKEND") == "gloo":
             caps.append((resource.RLIMIT_AS, _address_space() + limit))
         for kind, cap in caps:
             soft, hard = resource.getrlimit(kind)
             if hard == resource.RLIM_INFINITY or hard > cap:
                 resource.setrlimit(kind, (cap, cap))
+
+
+def _status_bytes(field: str) -> int:
+    """A size of this process's /proc/self/status (``VmData``: its data, as RLIMIT_DATA
+    counts it)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
 
 
 def _address_space() -> int:
