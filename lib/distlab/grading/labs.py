@@ -76,7 +76,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
                        "distlab.cp._reference:_RingAttention"),
     # kept() is the contract's drop rule, combine_local the one-process layer's sum
     "moe_dispatch_combine": ("distlab.moe._reference:moe_dispatch_combine",
-                             "distlab.moe.layer:kept", "distlab.moe.layer:combine_local"),
+                             "distlab.moe._reference:kept", "distlab.moe._reference:combine_local"),
     # lab 10: the casts (re-exported by distlab.fp8) are the exercise's own few lines
     "fp8_linear": tuple(f"distlab.reference.fp8:{n}" for n in (
         "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),

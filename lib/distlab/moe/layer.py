@@ -2,9 +2,11 @@
 
 :class:`MoE` routes each token to ``k`` of ``num_experts`` MLPs (:mod:`distlab.moe.router`),
 lets each expert take at most its capacity, and sums the chosen experts' outputs
-weighted by the router. Which assignments an expert keeps (:func:`kept`) follows GShard
-(Lepikhin et al. 2020, section 2.2): every token's first choice before any second
-choice, then token order. A dropped assignment adds nothing.
+weighted by the router. Which assignments an expert keeps follows GShard (Lepikhin et
+al. 2020, section 2.2): every token's first choice before any second choice, then token
+order. A dropped assignment adds nothing. That rule and the one-process dispatch are
+part of what lab 10's ``moe_dispatch_combine`` asks, so they live beside the library's
+answer in the private :mod:`distlab.moe._reference`.
 
 The layer has no parallel code: ``layer.dispatch`` is the function that sends the
 tokens to the experts and sums what comes back; :func:`distlab.moe.expert_parallel`
@@ -17,33 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from distlab.model import GPT, MLP, GPTConfig
+from distlab.moe._reference import combine_local
 from distlab.moe.router import capacity as capacity_of
 from distlab.moe.router import load_balancing_loss, route
-
-
-def kept(expert_ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
-    """(N, k) bool: which assignments their expert takes, at most ``capacity`` each,
-    first choices first, then in token order (None: all)."""
-    if capacity is None:
-        return torch.ones_like(expert_ids, dtype=torch.bool)
-    n, k = expert_ids.shape
-    onehot = F.one_hot(expert_ids.t().reshape(-1), num_experts)   # choice-major order
-    slot = ((onehot.cumsum(0) - 1) * onehot).sum(1)
-    return (slot < capacity).reshape(k, n).t()
-
-
-def combine_local(x, expert_ids, weights, experts, capacity=None):
-    """Every expert in this process: ``sum_j weights[n, j] · expert_{ids[n, j]}(x[n])``
-    over the kept assignments of each token ``n``."""
-    keep = kept(expert_ids, len(experts), capacity)
-    y = torch.zeros_like(x)
-    for e, expert in enumerate(experts):
-        n, j = ((expert_ids == e) & keep).nonzero(as_tuple=True)
-        y = y.index_add(0, n, expert(x[n]) * weights[n, j, None].to(x.dtype))
-    return y
 
 
 class MoE(nn.Module):
