@@ -138,6 +138,16 @@ def test_self_reported_points_are_counted_and_say_why(monkeypatch):
         "self-reported: 3 of these points rest on traffic the ranks reported themselves "
         "(CommLog), which their code could forge; the grader is not root, so the ranks get "
         "no network of their own")
+    monkeypatch.setattr(output, "traffic_evidence", lambda: "wire: bytes counted on a loopback")
+    shown = runner.table([runner.Result("ring_attention", 21, 21, "pass", "", blocked=1,
+                                        self_reported=4)])
+    assert "21/21 (+1 blocked) (4 self-reported)" in shown, shown
+    assert shown.splitlines()[-2:] == [
+        "self-reported: 4 of these points rest on traffic the ranks reported themselves "
+        "(CommLog), which their code could forge; the tests behind them count no bytes on the "
+        "wire (the other traffic points do)",
+        "blocked: 1 test needs GPUs this machine lacks (the gpu tier one, multigpu two or "
+        "more): it is left out of the points above and run where the GPUs are"]
 
 
 def test_every_hint_the_kit_points_to_exists():

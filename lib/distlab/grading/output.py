@@ -117,8 +117,16 @@ def table(results: list, title: str = "") -> str:
         why = traffic_evidence()
         lines.append(f"self-reported: {mine} of these points rest on traffic the ranks reported "
                      f"themselves (CommLog), which their code could forge; " + (
-                         "their tests do not check the bytes counted on the wire"
-                         if why.startswith("wire") else why.removeprefix("self-reported: ")))
+                         "the tests behind them count no bytes on the wire (the other traffic "
+                         "points do)" if why.startswith("wire")
+                         else why.removeprefix("self-reported: ")))
+    blocked = sum(r.blocked for r in results)
+    if blocked:
+        one = blocked == 1
+        lines.append(f"blocked: {blocked} " + ("test needs" if one else "tests need") +
+                     " GPUs this machine lacks (the gpu tier one, multigpu two or more): "
+                     + ("it is" if one else "they are") + " left out of the points above "
+                     "and run where the GPUs are")
     return "\n".join(lines)
 
 
