@@ -164,3 +164,31 @@ def test_an_installed_kit_finds_its_exercise_tests(tmp_path):
     assert where.startswith(str(tmp_path / "site")), where
     ours = sorted(p.name for p in (LIB / "grading" / "exercises").glob("*.py"))
     assert names == str(ours)
+
+
+def test_every_answer_module_imports_first():
+    """Each module of :mod:`distlab.reference` and each answer module the grader imports
+    in its ranks (``labs.hidden_modules``) imports in a process where no other distlab
+    module is loaded: a module that a package re-exports and that imports that package's
+    submodules at its top fails here (the package imports it back before it is defined),
+    though the graph above, which has no edge from a submodule to its package, passes."""
+    import json
+    import subprocess
+    import sys
+
+    from distlab.grading import labs
+
+    names = sorted({n for n in MODULES if n.startswith("distlab.reference.")}
+                   | set(labs.hidden_modules()))
+    code = ("import importlib, json, sys\nimport torch\nfailed = {}\n"
+            f"for name in {names!r}:\n"
+            "    for m in [m for m in sys.modules if m.split('.')[0] == 'distlab']:\n"
+            "        del sys.modules[m]\n"
+            "    try:\n        importlib.import_module(name)\n"
+            "    except Exception as e:\n        failed[name] = repr(e)\n"
+            "print(json.dumps(failed))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not failed, f"imported first, these fail: {failed}"

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 
 from distlab.comm import bus_factor
-from distlab.pp.schedule import bubble_fraction
+from distlab.pp import bubble_fraction
 from distlab.zero.memory import zero_bytes
 
 __all__ = ["Layout", "Model", "Plan", "activation_bytes", "divisors", "estimate",

@@ -29,8 +29,8 @@ TESTS = Path(__file__).resolve().parent / "exercises"
 
 _RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ring:ring_all_gather",
          "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
-_SCHEDULES = ("distlab.pp.schedule:gpipe_schedule", "distlab.pp.schedule:one_f_one_b_schedule",
-              "distlab.pp.schedule:bubble_fraction", "distlab.pp.schedule:build_schedule")
+_SCHEDULES = ("distlab.reference.pp:gpipe_schedule", "distlab.reference.pp:one_f_one_b_schedule",
+              "distlab.reference.pp:bubble_fraction", "distlab.reference.pp:build_schedule")
 _DP = ("distlab.reference.dp:DataParallel", "distlab.reference.dp:_Bucket",
        "distlab.reference.dp:OneShotDataParallel", "distlab.reference.dp:allreduce_gradients")
 
@@ -51,7 +51,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "zero2_step": ("distlab.reference.zero:zero2_step", "distlab.reference.zero:adamw_",
                    "distlab.reference.zero:reduce_scatter_mean",
                    "distlab.reference.zero:all_gather_shards"),
-    "ZeRO3Unit": ("distlab.zero.fsdp:_Unit", "distlab.zero.fsdp:FullyShardedDataParallel",
+    "ZeRO3Unit": ("distlab.reference.fsdp:_Unit", "distlab.reference.fsdp:FullyShardedDataParallel",
                   "distlab.reference.zero:FlatParams", "distlab.reference.zero:Layout",
                   "distlab.reference.zero:reduce_scatter_mean",
                   "distlab.reference.zero:all_gather_shards"),
@@ -65,7 +65,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "gpipe_schedule": _SCHEDULES,
     "one_f_one_b_schedule": _SCHEDULES,
     "bubble_fraction": _SCHEDULES,
-    "run_stage": ("distlab.pp.runtime:PipelineRunner", "distlab.pp.runtime:sum_tied_gradients",
+    "run_stage": ("distlab.reference.pp:PipelineRunner", "distlab.reference.pp:sum_tied_gradients",
                   "distlab.pp.p2p:StageLink"),
     "BucketedDDP": _DP,
     "mesh_groups": ("distlab.reference.mesh:Grid", "distlab.reference.mesh:Mesh"),

@@ -2,7 +2,9 @@
 micro-batches flowing through them on a schedule (GPipe, 1F1B).
 
 * :mod:`~distlab.pp.split`: the cut, balanced by FLOPs; tied weights across stages;
-* :mod:`~distlab.pp.schedule`: schedule tables, their check, the ideal clock, the bubble;
+* :mod:`~distlab.pp.schedule`: schedule tables, their check, the ideal clock (GPipe's
+  and 1F1B's tables and their bubble, lab 07's exercises, come from
+  :mod:`distlab.reference.pp`);
 * :mod:`~distlab.pp.p2p`: activations and gradients between stages, NCCL-safe groups,
   each link connected both ways first;
 * :mod:`~distlab.pp.runtime`: one stage's training step, driven by a table;
@@ -11,10 +13,10 @@ micro-batches flowing through them on a schedule (GPipe, 1F1B).
 """
 from distlab.pp.bubble import idle_fraction, peak_live
 from distlab.pp.runtime import PipelineRunner, cross_entropy
-from distlab.pp.schedule import (SCHEDULES, TITLES, bubble_fraction, build_schedule,
-                                 check_schedule, gpipe_schedule, one_f_one_b_schedule,
-                                 peak_in_flight, simulate)
+from distlab.pp.schedule import check_schedule, peak_in_flight, simulate
 from distlab.pp.split import Stage, balance, layer_costs
+from distlab.reference.pp import (SCHEDULES, TITLES, bubble_fraction, build_schedule,
+                                  gpipe_schedule, one_f_one_b_schedule)
 
 __all__ = ["SCHEDULES", "TITLES", "PipelineRunner", "Stage", "balance", "bubble_fraction",
            "build_schedule", "check_schedule", "cross_entropy", "gpipe_schedule",

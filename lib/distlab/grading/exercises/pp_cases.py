@@ -1,7 +1,7 @@
 """What the three exercises of lab 07 are tested on.
 
 The student's function runs once per case in one sandboxed rank (:func:`answer`), with
-the library's reference answers (distlab.pp.schedule) made to refuse while it runs
+the library's reference answers (distlab.reference.pp) made to refuse while it runs
 (:func:`references_refused`): an answer that merely calls them fails. Its tables come
 back as plain data and are checked here against the reference, then executed, as plain
 data, by the library's runtime on gloo ranks beside the reference table; the losses,
@@ -50,13 +50,13 @@ def _refusal(name):
 def references_refused():
     """While it lasts, the library's reference answers raise the refusal. Their code is
     swapped, not their names, so every way to reach them refuses: ``pp.gpipe_schedule``,
-    ``distlab.pp.schedule.gpipe_schedule``, ``pp.build_schedule``, ``pp.SCHEDULES``."""
-    from distlab.pp import schedule
+    ``distlab.reference.pp.gpipe_schedule``, ``pp.build_schedule``, ``pp.SCHEDULES``."""
+    from distlab import pp
 
     saved = {}
     try:
         for name in REFERENCES:
-            fn = getattr(schedule, name)
+            fn = getattr(pp, name)
             saved[fn] = fn.__code__
             fn.__code__ = _refusal(name)
         yield
