@@ -139,3 +139,15 @@ def test_ring_attention_in_bf16_on_gpus():
     got = unshard(launch.run(gpu_case, 2, n, backend="nccl", timeout=120), "zigzag")
     want = reference(n, True)[0]
     assert (got.double() - want).abs().max() <= 2e-3 * want.abs().max()
+
+
+def test_the_benchs_accuracy_goal_is_one_bf16_step():
+    """The cp acceptance check holds bf16 ring attention to one bf16 step at the largest
+    magnitude (2^-8, relative) of fp64 on the same bf16 inputs, and says so when missed."""
+    from distlab.bench import cp as bench
+
+    row = {"seq_len": 8, "rank_s": {"zigzag": [1.0, 1.0]}, "ratio": 1.0, "zigzag_balance": 1.0,
+           "error": 2.0 ** -8}
+    assert bench.goal_misses([row]) == []
+    assert bench.goal_misses([{**row, "error": 2.0 ** -7}]) == [
+        "8 tokens: bf16 error 7.81e-03 above one bf16 step (3.91e-03)"]

@@ -330,15 +330,30 @@ def on_gpus(fn, seq_len):
     return [t.float().cpu() for t in (out, q.grad, k.grad, v.grad)]
 
 
+BF16_STEP = 2.0 ** -8   # one bf16 step at a value's binade (8 significant bits)
+
+
 @pytest.mark.multigpu
 def test_on_gpus(student):
-    """bf16 on 2 GPUs, zigzag and causal: within 1e-3·W of fp64 (the issue's goal)."""
+    """bf16 on 2 GPUs, zigzag and causal: every element of the output and of the gradients
+    within one bf16 step at that tensor's largest value (2^-8 of it) of fp64 attention on
+    the same bf16 inputs. The result is rounded to bf16 once, which alone is half a step.
+    Measured on a CPU (2 gloo ranks, this shape, 2026-12-05): the library's ring used 0.5
+    to 0.75 of this bound; against fp64 on the unrounded inputs even torch's own bf16 SDPA
+    missed the issue's first goal, 1e-3·W of the largest value, by 3 to 5 times."""
     world, n = 2, 4099
     got = launch.run(on_gpus, world, student.ring_attention, n, backend="nccl", timeout=lab10_cases.TIMEOUT)
-    for rank in range(world):
-        want = expected("zigzag", True, torch.float64, n, world, rank)
-        for name, a, b in zip(("output", "dq", "dk", "dv"), got[rank], want):
-            scale = b.abs().max().item()
-            err = (a.double() - b).abs().max().item()
-            assert err <= 1e-3 * world * max(scale, 1.0), (
-                f"rank {rank}, bf16 on GPUs: the {name} is off by {err:.3g}, above 1e-3·W")
+    whole_bf16 = [t.to(torch.bfloat16).double() for t in whole(n, torch.float64)]
+    q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(whole_bf16))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(do)
+    for name, ref, *mine in zip(("output", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad),
+                                *got):
+        bound = BF16_STEP * ref.abs().max().item()
+        for rank in range(world):
+            want = shard(ref, world, rank, "zigzag")
+            err = (mine[rank].double() - want).abs().max().item()
+            assert err <= bound, (
+                f"rank {rank}, bf16 on GPUs: the {name} is off by {err:.3g} from fp64 attention "
+                f"on the same bf16 inputs, more than one bf16 step at its largest value "
+                f"({bound:.3g}): accumulate in fp32 and round to bf16 once, at the end")
