@@ -9,8 +9,9 @@ heads and features) nor PP (it splits layers) divides.
 - :mod:`~distlab.cp.layout`: which tokens each rank holds (contiguous or zigzag), the
   positions, sharding and unsharding a sequence, the causal work per rank, and lab 03's
   ring neighbours;
-- :func:`ring_attention`: K/V blocks around the ring, partial softmaxes merged by their
-  log-sum-exps, forward and backward (Liu et al. 2023), either layout;
+- :func:`ring_attention`: attention over the whole sequence with K/V blocks travelling
+  around the ring, forward and backward (Liu et al. 2023), either layout (lab 10's
+  exercise: the implementation is private);
 - :func:`~distlab.cp.ulysses.ulysses_attention`: DeepSpeed-Ulysses' two all-to-alls
   (sequence-sharded to head-sharded and back).
 
