@@ -1,13 +1,358 @@
-"""Lab 06's answer ``vocab_parallel_cross_entropy``: Megatron-LM's cross-entropy over a
-vocabulary split across the tensor-parallel ranks (Shoeybi et al. 2019, section 3).
-Not re-exported by :mod:`distlab.tp` (which it imports): import it from here."""
+"""Lab 06's answers and what they are built on: Megatron-LM's tensor parallelism
+(Shoeybi et al. 2019, section 3; Korthikanti et al. 2022 for the sequence-parallel pair).
+The rest of the library uses them through :mod:`distlab.tp` (:mod:`distlab.tp.ops`,
+:mod:`distlab.tp.layers`); ``vocab_parallel_cross_entropy`` is imported from here.
+
+Communication operators, as autograd functions, each a collective forward and its
+adjoint backward:
+
+* **f** (:func:`copy_to_group`): identity forward, all-reduce of the gradient backward;
+* **g** (:func:`reduce_from_group`): all-reduce forward, identity backward;
+* :func:`gather_from_group` / split: all-gather forward, this rank's slice backward;
+* :func:`split_sequence` and the sequence pair: all-gather along the sequence forward,
+  reduce-scatter backward, and the reverse.
+
+The layers (lab 06's warm-ups ``ColumnParallelLinear`` and ``RowParallelLinear``, and the
+vocabulary-parallel embedding) each keep this rank's ``torch.tensor_split`` shard of a
+full layer they are built from. ``vocab_parallel_cross_entropy`` is lab 06's core
+exercise.
+"""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
+from distlab import comm
+from distlab.comm import in_group
 from distlab.shards import shard_sizes
-from distlab.tp.ops import reduce_from_group
+
+
+def all_gather_along(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank r's piece has ``sizes[r]``
+    rows there): one all-gather, pieces padded to the longest."""
+    longest = max(sizes)
+    front = x.movedim(dim, 0)
+    if front.shape[0] < longest:
+        front = torch.cat([front, front.new_zeros(longest - front.shape[0], *front.shape[1:])])
+    out = front.new_empty(len(sizes) * longest, *front.shape[1:])
+    comm.all_gather_into(out, front.contiguous(), group=group)
+    return torch.cat([p[:n] for p, n in zip(out.split(longest), sizes)]).movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice along ``dim`` of the sum of every rank's ``x`` (even slices)."""
+    size = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty(front.shape[0] // size, *front.shape[1:])
+    comm.reduce_scatter_into(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _my_slice(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    return x.tensor_split(size, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Megatron's f: identity forward; backward sums the gradient over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # a copy: autograd may hand the same gradient tensor to another branch
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Megatron's g: forward sums over the group; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """All-gather along ``dim``; backward keeps this rank's slice of the gradient (the
+    computation after the gather is replicated, so every rank holds the same gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, sizes, group):
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+        return all_gather_along(x, dim, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = sum(ctx.sizes[:dist.get_rank(ctx.group)])
+        piece = grad.narrow(ctx.dim, start, ctx.sizes[dist.get_rank(ctx.group)])
+        return piece.contiguous(), None, None, None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    """Keep this rank's slice along ``dim``; backward all-gathers the gradient
+    (sequence parallelism's entry, after the embedding)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group, ctx.length = dim, group, x.shape[dim]
+        return _my_slice(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sizes = shard_sizes(ctx.length, dist.get_world_size(ctx.group))
+        return all_gather_along(grad, ctx.dim, sizes, ctx.group), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallel, before a column-parallel layer: all-gather the sequence
+    forward, reduce-scatter the gradient backward (Korthikanti et al., figure 5's g)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        return all_gather_along(x, 1, [x.shape[1]] * size, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallel, after a row-parallel layer: reduce-scatter the sequence
+    forward, all-gather the gradient backward (figure 5's g-bar)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size = dist.get_world_size(ctx.group)
+        return all_gather_along(grad, 1, [grad.shape[1]] * size, ctx.group), None
+
+
+def copy_to_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """f: ``x`` unchanged; its gradient is summed over ``group``."""
+    return _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group=None) -> torch.Tensor:
+    """g: the sum of every rank's ``x``; the gradient passes through unchanged."""
+    return _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x: torch.Tensor, dim: int, sizes: list[int], group=None) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (``sizes``: each rank's length)."""
+    return _GatherFromGroup.apply(x, dim, list(sizes), group)
+
+
+def gather_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sequence parallelism's entry: all-gather the sequence (dim 1) forward,
+    reduce-scatter of the gradient backward."""
+    return _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Sequence parallelism's exit: reduce-scatter along the sequence forward,
+    all-gather of the gradient backward."""
+    return _ReduceScatterSequence.apply(x, group)
+
+
+def split_sequence(x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's slice of the sequence (dim 1) of ``x``; backward all-gathers."""
+    _check_sequence(x.shape[1], dist.get_world_size(group))
+    return _SplitToGroup.apply(x, 1, group)
+
+
+def _check_sequence(length: int, size: int) -> None:
+    if length % size:
+        raise ValueError(f"sequence parallelism splits the sequence over the {size} ranks: "
+                         f"{length} tokens do not split evenly; use a sequence length that is a "
+                         f"multiple of {size}, or sequence_parallel=False")
+
+
+def compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on, so that collectives on it (and
+    on its gradient) move 2-byte elements, as the matrix product would use anyway."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
+def _shard(tensor: torch.Tensor | None, dim: int, group) -> nn.Parameter | None:
+    """This rank's ``tensor_split`` shard along ``dim`` as a parameter of its own memory."""
+    if tensor is None:
+        return None
+    piece = tensor.detach().tensor_split(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+    return nn.Parameter(piece.clone(), requires_grad=tensor.requires_grad)
+
+
+def _tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor | None]:
+    """A module's own parameters, or their gradients, detached."""
+    pick = (lambda p: None if p.grad is None else p.grad.detach()) if grads else (
+        lambda p: p.detach())
+    return {n: pick(p) for n, p in module.named_parameters(recurse=False)}
+
+
+def _gather_or_none(x: torch.Tensor | None, dim: int, sizes: list[int], group):
+    return None if x is None else all_gather_along(x, dim, sizes, group)
+
+
+def _check_width(n: int, what: str, size: int, cls: str) -> None:
+    if n < size:
+        raise ValueError(f"{cls}: {n} {what} cannot be split over {size} ranks (every rank needs "
+                         f"at least one); use a tensor-parallel group of at most {n} ranks")
+
+
+class ColumnParallelLinear(nn.Module):
+    """``ColumnParallelLinear(linear, group=None, gather_output=False)``: the output
+    features of ``linear`` split over the ranks of ``group``.
+
+    Keeps this rank's ``tensor_split`` shard of the rows of ``linear.weight`` (PyTorch
+    stores the output features as rows) and of ``linear.bias``. Takes the full input and
+    returns this rank's slice of the output, or the full output with
+    ``gather_output=True`` (an all-gather). The input's gradient is summed over the
+    group (f). With ``sequence_parallel=True`` the input is this rank's slice of the
+    sequence, all-gathered forward and reduce-scattered backward instead.
+
+    A rank that is not a member of ``group`` keeps no shard and its forward returns None
+    at once, as torch.distributed's collectives do."""
+
+    def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False, *,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        if not in_group(group):
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+            return
+        _check_width(self.out_features, "output features", dist.get_world_size(group), "ColumnParallelLinear")
+        self.weight = _shard(linear.weight, 0, group)
+        self.bias = _shard(linear.bias, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.weight is None:
+            return None
+        x = compute_dtype(x)
+        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            return gather_from_group(y, -1, shard_sizes(self.out_features, dist.get_world_size(self.group)),
+                                     self.group)
+        return y
+
+    def full_parameters(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """The whole weight and bias (or their gradients), gathered from every rank
+        (collective)."""
+        sizes = shard_sizes(self.out_features, dist.get_world_size(self.group))
+        return {n: _gather_or_none(t, 0, sizes, self.group)
+                for n, t in _tensors(self, grads).items()}
+
+    def extra_repr(self) -> str:
+        shard = None if self.weight is None else self.weight.shape[0]
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
+                f"{shard}), bias={self.bias is not None}, gather_output={self.gather_output}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
+
+
+class RowParallelLinear(nn.Module):
+    """``RowParallelLinear(linear, group=None)``: the input features of ``linear`` split
+    over the ranks of ``group``.
+
+    Keeps this rank's ``tensor_split`` shard of the columns of ``linear.weight`` and the
+    whole ``linear.bias``. Takes this rank's slice of the input features and all-reduces
+    the partial products (g), then adds the bias once. With ``sequence_parallel=True``
+    the sum is reduce-scattered along the sequence instead; the bias's gradient is then
+    partial (see :func:`allreduce_sequence_parallel_grads`).
+
+    A rank that is not a member of ``group`` keeps no shard and its forward returns None."""
+
+    def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group, self.sequence_parallel = group, sequence_parallel
+        if not in_group(group):
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+            return
+        _check_width(self.in_features, "input features", dist.get_world_size(group), "RowParallelLinear")
+        self.weight = _shard(linear.weight, 1, group)
+        self.bias = None if linear.bias is None else nn.Parameter(
+            linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+        if sequence_parallel and self.bias is not None:
+            self.bias.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.weight is None:
+            return None
+        if x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"RowParallelLinear takes this rank's slice of the input features: "
+                             f"{self.weight.shape[1]} of {self.in_features}, got {x.shape[-1]}; feed "
+                             f"it the output of a ColumnParallelLinear (gather_output=False)")
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else \
+            reduce_from_group(y, self.group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def full_parameters(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        sizes = shard_sizes(self.in_features, dist.get_world_size(self.group))
+        full = _tensors(self, grads)
+        full["weight"] = _gather_or_none(full["weight"], 1, sizes, self.group)
+        return full
+
+    def extra_repr(self) -> str:
+        shard = None if self.weight is None else self.weight.shape[1]
+        return (f"in_features={self.in_features} (this rank: {shard}), out_features="
+                f"{self.out_features}, bias={self.bias is not None}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An ``nn.Embedding`` whose rows (the vocabulary) are split over the group: each
+    rank looks up the tokens of its range, zeros elsewhere, and g sums the pieces
+    (one all-reduce of ``b·s·h`` forward, none backward)."""
+
+    def __init__(self, embedding: nn.Embedding, group=None):
+        super().__init__()
+        if embedding.padding_idx is not None or embedding.max_norm is not None or embedding.sparse:
+            raise ValueError("VocabParallelEmbedding supports plain embeddings only (no "
+                             "padding_idx, max_norm or sparse gradients)")
+        size = dist.get_world_size(group)
+        _check_width(embedding.num_embeddings, "tokens", size, "VocabParallelEmbedding")
+        self.group, self.num_embeddings = group, embedding.num_embeddings
+        self.start = sum(shard_sizes(self.num_embeddings, size)[:dist.get_rank(group)])
+        self.weight = _shard(embedding.weight, 0, group)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+
+    def full_parameters(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        sizes = shard_sizes(self.num_embeddings, dist.get_world_size(self.group))
+        return {"weight": _gather_or_none(_tensors(self, grads)["weight"], 0, sizes, self.group)}
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings} tokens, this rank: {self.start}..."
+                f"{self.start + self.weight.shape[0] - 1}, dim {self.weight.shape[1]}")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
