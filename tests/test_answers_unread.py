@@ -1,13 +1,15 @@
 """No answer where a lab sends students to read (issue 32).
 
-A module named in any lab's markdown (``labs/*.ipynb``, the notebooks students get) may
-hold only what students may use: it defines no graded exercise's name, and no function
+A module a lab shows a student (``labs/*.ipynb``, the notebooks students get: named in
+its markdown, imported by its code cells, or imported from by the ``__init__`` of such a
+package) may hold only what students may use: it defines no graded exercise's name, and no function
 or method in it has the body of an exercise's reference (the solution's exercise cell, or
 the library code :data:`distlab.grading.labs.ANSWERS` refuses while grading it) under
 another name. Bodies are compared as ASTs with the docstring dropped and the local names
 renamed in order of appearance, so renaming variables does not hide a copy. The answers
-live in :mod:`distlab.reference`, which the labs name only to say that reading it before
-grading defeats the exercise; it is not checked here.
+live in :mod:`distlab.reference` and the private ``_reference`` modules of lab 10, which
+the labs name only to say that reading them before grading defeats the exercise; they
+are not checked here.
 """
 from __future__ import annotations
 
@@ -24,13 +26,6 @@ from distlab.grading import labs, notebook
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = re.compile(r"\bdistlab(?:\.[A-Za-z_]\w*)+")
 SMALLEST = 12   # AST nodes: shorter bodies (a return, an attribute) are not an answer
-
-# Answers still in a module a lab shows (strict: each must still be found there, so the
-# entry goes when its answer moves to distlab.reference): lab 01's bus_factor.
-PENDING = {
-    "distlab.comm": ("bus_bandwidth",),
-}
-
 
 def _module_file(name: str) -> Path | None:
     try:
@@ -189,20 +184,13 @@ def test_the_labs_name_modules_and_the_check_sees_them():
 
 def test_no_module_a_lab_names_holds_an_answer(kit):
     names, bodies = kit
-    found, pending = {}, {}
+    found = {}
     for module, where in sorted(named_modules().items()):
         bad = answers_in(_module_file(module).read_text(), names, bodies)
-        if module in PENDING:
-            pending[module] = bad
-        elif bad:
-            found[f"{module} (named in {', '.join(sorted(where))})"] = bad
-    assert not found, ("modules the labs send students to read hold answers; move them to "
+        if bad:
+            found[f"{module} (shown by {', '.join(sorted(where))})"] = bad
+    assert not found, ("modules the labs show students hold answers; move them to "
                        f"distlab.reference and re-export: {found}")
-    for module, exercises in PENDING.items():
-        for exercise in exercises:
-            assert any(exercise in b for b in pending.get(module, ())), (
-                f"{module} no longer holds {exercise}'s answer (or no lab shows it): remove "
-                f"it from PENDING")
 
 
 def test_the_check_finds_a_copied_answer_under_another_name(kit):

@@ -861,12 +861,12 @@ def test_a_notebook_has_a_total_time(tmp_path):
 def test_the_tables_behind_a_refused_answer_are_withheld():
     """The private data only the refused answer reads (bus_factor's table) leaves the
     rank with it; tables other library code reads stay."""
-    probe = ("from distlab.grading import student; import distlab.comm as c\n"
+    probe = ("from distlab.grading import student; import distlab.reference.bandwidth as c\n"
              "print(student._withhold_tables('bus_bandwidth'), hasattr(c, '_BUS_FACTORS'))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith("False") and "distlab.comm._BUS_FACTORS" in done.stdout
+    assert done.stdout.strip().endswith("False") and "distlab.reference.bandwidth._BUS_FACTORS" in done.stdout
 
 
 _GPIPE_BY_REFERENCE = (

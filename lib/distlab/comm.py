@@ -23,6 +23,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from distlab.reference.bandwidth import bus_factor  # nccl-tests' busbw = algbw * factor
 from distlab.units import human_bytes
 
 COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",
@@ -34,33 +35,6 @@ _RENAMED = {"all_gather_single": "all_gather_into_tensor",
             "reduce_scatter_single": "reduce_scatter_tensor"}
 P2P = ("send", "recv", "isend", "irecv")
 SENDS = ("send", "isend")
-
-# nccl-tests' bus-bandwidth factors: busbw = algbw * factor(n). They turn the time of
-# an op into the bandwidth a single link must have carried (see nccl-tests'
-# doc/PERFORMANCE.md): a ring all-reduce sends 2(n-1)/n of the buffer per rank.
-_BUS_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "sendrecv": lambda n: 1.0,
-}
-_OP_FAMILY = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-              "all_to_all_single": "all_to_all", "send": "sendrecv", "recv": "sendrecv",
-              "isend": "sendrecv", "irecv": "sendrecv"}
-
-
-def bus_factor(op: str, world_size: int) -> float:
-    """nccl-tests' factor from algorithm bandwidth to bus bandwidth for ``op``."""
-    family = _OP_FAMILY.get(op, op)
-    if family not in _BUS_FACTORS:
-        raise ValueError(f"no bus-bandwidth factor for {op!r}; known: {sorted(_BUS_FACTORS)}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    return _BUS_FACTORS[family](world_size)
-
 
 @dataclasses.dataclass
 class CommEvent:

@@ -39,7 +39,7 @@ _DP = ("distlab.reference.dp:DataParallel", "distlab.reference.dp:_Bucket",
 # the factor itself (later labs may use it freely; only bus_bandwidth's grading refuses it).
 ANSWERS: dict[str, tuple[str, ...]] = {
     "all_reduce_mean": (),
-    "bus_bandwidth": ("distlab.comm:bus_factor",),
+    "bus_bandwidth": ("distlab.reference.bandwidth:bus_factor",),
     "pipelined_broadcast": ("distlab.collectives.broadcast:pipelined_broadcast",),
     "ps_sgd_step": ("distlab.collectives.ps:ps_sgd_step",),
     "ring_reduce_scatter": _RING,

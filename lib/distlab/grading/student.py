@@ -146,8 +146,8 @@ def _module(path: str, exercise: str = ""):
 def _withhold_tables(exercise: str) -> list[str]:
     """Remove from their modules the private tables (``_NAME`` globals that are data: no
     function, class or module) that only the library's answers to ``exercise`` read, as
-    ``distlab.comm._BUS_FACTORS`` behind ``bus_factor``: the answer refuses, and the data
-    it was made of goes with it. A table another function of the module reads stays."""
+    ``distlab.reference.bandwidth._BUS_FACTORS`` behind ``bus_factor``: the answer
+    refuses, and the data it was made of goes with it. A table another function of the module reads stays."""
     import importlib
     import inspect
     import types
