@@ -295,9 +295,9 @@ def test_the_gradients_are_one_process_gradients(student, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_rows_cross_once_each_way(student, world):
-    """Forward: one all_to_all_single of counts (at most E integers), one of the rows out
-    (exactly the kept assignments), one back (exactly the rows this rank's experts
-    computed); backward: the gradients the same two ways; nothing else."""
+    """Forward: one all_to_all_single of counts (at most E integers; on every call), one of
+    the rows out (exactly the kept assignments), one back (exactly the rows this rank's
+    experts computed); backward: the gradients the same two ways; nothing else."""
     runs = outcome(student, world)
     row = DIM * 8
     crossing = 0
@@ -320,9 +320,10 @@ def test_rows_cross_once_each_way(student, world):
             f"{what}: forward's all-to-alls of rows carried {rows} bytes; expected two: "
             f"{out_rows * row} out (this rank's {out_rows} kept assignments x {DIM} features x "
             f"8 bytes) and {in_rows * row} back (the rows its experts computed)")
-        assert len(counts) <= 1 and sum(e.nbytes for e in counts) <= LOCAL * world * 8, (
+        assert len(counts) == 1 and sum(e.nbytes for e in counts) <= LOCAL * world * 8, (
             f"{what}: forward exchanged {[e.describe() for e in counts]} besides the rows; one "
-            f"exchange of at most E = {LOCAL * world} integers per rank")
+            f"exchange of at most E = {LOCAL * world} integers per rank, on every call (also "
+            f"when no row is kept: every rank of the group enters it)")
         back = [e.nbytes for e in bwd.select()]
         assert sorted(back) == sorted(rows), (
             f"{what}: backward's all-to-alls carried {back} bytes; the gradients of the rows "
