@@ -2,11 +2,12 @@
 
 A module a lab shows a student (``labs/*.ipynb``, the notebooks students get: named in
 its markdown, imported by its code cells, or imported from by the ``__init__`` of such a
-package) may hold only what students may use: it defines no graded exercise's name, and no function
-or method in it has the body of an exercise's reference (the solution's exercise cell, or
-the library code :data:`distlab.grading.labs.ANSWERS` refuses while grading it) under
-another name. Bodies are compared as ASTs with the docstring dropped and the local names
-renamed in order of appearance, so renaming variables does not hide a copy. The answers
+package) may hold only what students may use: it defines no graded exercise's name, and
+no function or method in it has the body of an exercise's reference (the solution's
+exercise cell, or the library code :data:`distlab.grading.labs.ANSWERS` refuses while
+grading it) under another name. Bodies are compared as ASTs with the docstring dropped
+and the local names renamed in order of appearance, so renaming variables does not hide
+a copy. The answers
 live in :mod:`distlab.reference` and the private ``_reference`` modules of lab 10, which
 the labs name only to say that reading them before grading defeats the exercise; they
 are not checked here.
@@ -58,8 +59,10 @@ def _mentioned(cell) -> set[str]:
     if cell.cell_type == "markdown":
         for dotted in MODULE.findall(cell.source):
             parts = dotted.split(".")
-            found.update(next(([".".join(parts[:end])] for end in range(len(parts), 1, -1)
-                               if _module_file(".".join(parts[:end]))), []))
+            for end in range(len(parts), 1, -1):
+                if _module_file(".".join(parts[:end])):
+                    found.add(".".join(parts[:end]))
+                    break
         return found
     try:
         tree = ast.parse(cell.source)
@@ -69,8 +72,8 @@ def _mentioned(cell) -> set[str]:
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("distlab."))
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("distlab"):
-            found.update(m for m in [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                         if m != "distlab" and _module_file(m))
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found.update(m for m in names if m != "distlab" and _module_file(m))
     return found
 
 

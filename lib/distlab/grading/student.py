@@ -147,7 +147,8 @@ def _withhold_tables(exercise: str) -> list[str]:
     """Remove from their modules the private tables (``_NAME`` globals that are data: no
     function, class or module) that only the library's answers to ``exercise`` read, as
     ``distlab.reference.bandwidth._BUS_FACTORS`` behind ``bus_factor``: the answer
-    refuses, and the data it was made of goes with it. A table another function of the module reads stays."""
+    refuses, and the data it was made of goes with it. A table another function of the
+    module reads stays."""
     import importlib
     import inspect
     import types

@@ -132,8 +132,9 @@ class PipelineRunner:
     def __init__(self, stage: Stage, table, group=None, loss_fn=cross_entropy,
                  check: bool = True, pad_to: tuple[float, float] | None = None,
                  grouped: bool = True, dtype: torch.dtype | None = None):
-        from distlab.pp.p2p import StageLink       # here, not at the top: see the module's
-        from distlab.pp.schedule import check_schedule  # note on import order
+        # imported here, not at the top: see the module's note on import order
+        from distlab.pp.p2p import StageLink
+        from distlab.pp.schedule import check_schedule
 
         if check:
             problem = check_schedule(table, stage.num_stages)
@@ -169,7 +170,7 @@ class PipelineRunner:
         rows = [len(r) for r in torch.arange(batch).tensor_split(m)]
         xs = inputs.to(self.device).tensor_split(m)
         ys = targets.to(self.device).tensor_split(m)
-        from distlab.pp.events import StageEvents  # here, not at the top (the module's note)
+        from distlab.pp.events import StageEvents  # here, not at the top: the module's note
         timeline = StageEvents(s.index, self.device)
         saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         received: dict[tuple[str, int], torch.Tensor] = {}

@@ -347,8 +347,8 @@ def test_on_gpus(student):
     q, k, v, do = (t.requires_grad_(i < 3) for i, t in enumerate(whole_bf16))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.backward(do)
-    for name, ref, *mine in zip(("output", "dq", "dk", "dv"), (out.detach(), q.grad, k.grad, v.grad),
-                                *got):
+    refs = (out.detach(), q.grad, k.grad, v.grad)
+    for name, ref, *mine in zip(("output", "dq", "dk", "dv"), refs, *got):
         bound = BF16_STEP * ref.abs().max().item()
         for rank in range(world):
             want = shard(ref, world, rank, "zigzag")
