@@ -19,6 +19,9 @@ EXTRAS ?= [dev]
 endif
 DEPS_INDEX ?=
 LAB ?=
+# make lab: the notebooks' folder, and further options for JupyterLab (LAB_ARGS="--port 9999")
+LAB_DIR ?= labs
+LAB_ARGS ?=
 PYTEST_ARGS ?=
 # make acceptance: which checks (comma-separated; default all) and where their JSON goes
 CHECKS ?=
@@ -37,12 +40,16 @@ EXTRAS_SPEC := .$(EXTRAS)
 .PHONY: help setup lab test test-browser grade nbval labs bench acceptance clean
 
 help: ## list the targets
-	@echo "distlab — make targets (set LAB=03 to grade one lab):"
+	@echo "distlab — make targets"
+	@echo "For students (LAB=03 grades one lab):"
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/:.*## /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "For instructors and developers:"
+	@grep -E '^[a-z-]+:.*##! ' $(MAKEFILE_LIST) | sed -E 's/:.*##! /\t/' | awk -F'\t' '{printf "  make %-14s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --no-deps "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
+	@# --retries 0: where PyTorch's index cannot be reached, fall back to the others at once
+	$(PY) -m pip install --quiet --no-deps --retries 0 --timeout 10 "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
 	@# the kit and its ~150 dependencies through uv (seconds; pip takes about a minute to
 	@# resolve and install them), through pip where uv cannot be had
 	($(PY) -m pip install --quiet uv && $(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) \
@@ -53,30 +60,31 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## create .venv and install the kit (CPU torch where there is no GPU)
 
-lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/
-	$(VENV)/bin/jupyter lab --notebook-dir=labs
+lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/ (as root too; on a remote machine it prints the SSH tunnel to open)
+	$(PY) -m distlab.jupyter $(LAB_DIR) $(LAB_ARGS)
 
-test: $(STAMP) ## run every test: library, autograder, notebooks (nbval), browser when available
+test: $(STAMP) ##! run every test: library, autograder, notebooks (nbval), browser when available
 	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
 
-test-browser: $(STAMP) ## only the browser test: JupyterLab in headless Chromium
+test-browser: $(STAMP) ##! only the browser test: JupyterLab in headless Chromium
 	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)
 
 grade: $(STAMP) ## grade your labs (all, or LAB=03) and write grade-report.json
-	$(PY) -m distlab.grading $(if $(LAB),labs/$(LAB)_*.ipynb,labs/*.ipynb) --json grade-report.json
+	$(PY) -m distlab.grading labs $(if $(LAB),--lab $(LAB)) --json grade-report.json
 
-nbval: $(STAMP) ## check that the solution notebooks reproduce their outputs
+nbval: $(STAMP) ##! check that the solution notebooks reproduce their outputs
 	$(PY) -m pytest -q --nbval --nbval-current-env solutions $(PYTEST_ARGS)
 
-labs: $(STAMP) ## regenerate labs/ from solutions/ (answers replaced by stubs)
-	$(PY) -m distlab.grading.notebook release solutions labs
+labs: $(STAMP) ##! regenerate labs/ from solutions/; refuses to overwrite a lab someone edited (FORCE=1: overwrite, keeping a copy)
+	$(PY) -m distlab.grading.labs render solutions --readme README.md
+	$(PY) -m distlab.grading.notebook release solutions labs $(if $(FORCE),--force)
 
 bench: $(STAMP) ## launch cost, bandwidth sweeps of the collectives and the ring (CPU-sized; GPU goals: make acceptance)
 	$(PY) -m distlab.bench.launch
 	$(PY) -m distlab.bench.collectives
 	$(PY) -m distlab.bench.ring
 
-acceptance: $(STAMP) ## the GPU acceptance suite into results/ (CHECKS=ring,zero to select; python -m distlab.acceptance --list)
+acceptance: $(STAMP) ##! the GPU acceptance suite into results/ (CHECKS=ring,zero to select; python -m distlab.acceptance --list)
 	$(PY) -m distlab.acceptance $(if $(CHECKS),--only $(CHECKS)) --out $(RESULTS)
 
 clean: ## remove the virtual environment and caches

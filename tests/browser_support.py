@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import http.client
-import json
 import os
 import secrets
 import shutil
@@ -25,6 +24,10 @@ import urllib.request
 from pathlib import Path
 
 import nbformat
+
+from distlab import jupyter
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Chromium flags for a closed network: without the background-networking ones,
 # Chromium's own connections are refused and slow it down.
@@ -199,14 +202,21 @@ class JupyterLab:
     ``url(name)`` opens a notebook; ``log`` is the server's output.
     """
 
-    def __init__(self, notebooks: list[Path], root: Path, log: Path, start_timeout: float = 90):
+    def __init__(self, notebooks: list[Path], root: Path, log: Path, start_timeout: float = 90,
+                 make_lab: bool = False, user: tuple[int, int] | None = None):
+        """``make_lab``: start it with the kit's ``make lab``; ``user``: (uid, gid) to run it
+        as, from root."""
         self.root, self.log, self.start_timeout = root, log, start_timeout
+        self.make_lab, self.user = make_lab, user
         self.token = secrets.token_hex(16)
         self.proc: subprocess.Popen | None = None
         self.port = 0
         (root / "notebooks").mkdir(parents=True)
         for nb in notebooks:
             copy_without_outputs(nb, root / "notebooks" / nb.name)
+        if user:
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, *user)
 
     def url(self, notebook: str) -> str:
         return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?token={self.token}"
@@ -214,38 +224,41 @@ class JupyterLab:
     def path(self, notebook: str) -> Path:
         return self.root / "notebooks" / notebook
 
+    def _command(self) -> list[str]:
+        options = ["--ServerApp.open_browser=False", "--ServerApp.ip=127.0.0.1",
+                   "--ServerApp.port_retries=0", f"--IdentityProvider.token={self.token}"]
+        if self.make_lab:
+            return ["make", "-s", "-C", str(REPO), "lab", f"LAB_DIR={self.root / 'notebooks'}",
+                    f"LAB_ARGS=--port={self.port} {' '.join(options)}"]
+        return jupyter.command(self.root / "notebooks", self.port, *options)
+
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = dict(os.environ, HOME=str(self.root))
         home = self.root / "jupyter"
-        settings = home / "settings"
         for name, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"),
-                          ("JUPYTERLAB_SETTINGS_DIR", "settings"),
+                          ("JUPYTER_DATA_DIR", "data"), ("JUPYTERLAB_SETTINGS_DIR", "settings"),
                           ("JUPYTERLAB_WORKSPACES_DIR", "workspaces")):
             (home / sub).mkdir(parents=True, exist_ok=True)
+            if self.user:
+                os.chown(home / sub, *self.user)
             env[name] = str(home / sub)
-        # No news or update toast over the notebook (they would also try the network).
-        notes = settings / "@jupyterlab" / "apputils-extension"
-        notes.mkdir(parents=True, exist_ok=True)
-        (notes / "notification.jupyterlab-settings").write_text(
-            json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+        # as make lab does: no news or update toast over the notebook (the environment's
+        # overrides.json), and the notebooks given this kernel's metadata
+        jupyter.write_overrides()
+        jupyter.match_kernel(self.root / "notebooks")
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env.pop("JUPYTER_TOKEN", None)
         return env
 
     def start(self) -> "JupyterLab":
-        jupyter = shutil.which("jupyter", path=str(Path(sys.executable).parent))
         for _ in range(3):  # a free port can be taken between the probe and the bind
             self.port = free_port()
-            cmd = [jupyter, "lab", f"--notebook-dir={self.root / 'notebooks'}",
-                   "--ServerApp.open_browser=False", "--ServerApp.ip=127.0.0.1",
-                   f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-                   f"--IdentityProvider.token={self.token}",
-                   "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
-            cmd += ["--allow-root"] if os.geteuid() == 0 else []   # containers, CI
+            uid, gid = self.user or (None, None)
             with open(self.log, "ab") as log:
-                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                self.proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env=self._env(),
-                                             cwd=self.root, start_new_session=True)
+                                             cwd=self.root, start_new_session=True, user=uid,
+                                             group=gid, extra_groups=[] if self.user else None)
             if self._wait_ready():
                 return self
             self.stop()

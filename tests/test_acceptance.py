@@ -147,7 +147,8 @@ def test_render_is_deterministic_and_rewrites_only_the_block(tmp_path, capsys):
             (folder / f"{r['check']}.json").write_text(json.dumps(r))
     text = render.render(first)
     assert text == render.render(first) == render.render(second)
-    assert text.index("`ring`: fail") < text.index("`zero-1gpu`: pass")  # registry order
+    assert text.index("`ring` (committed result): goals missed") < text.index(
+        "`zero-1gpu` (committed result): goals met")  # registry order
     assert "| 64 MiB | 0.812 |" in text and "- missed: missed by 0.1" in text
     assert "commit `aaaaaaaaaaaa`" in text and "No result yet for `bench-vs-nccl-tests`" in text
     readme = tmp_path / "README.md"
@@ -185,6 +186,7 @@ def test_show_displays_a_result_or_what_to_run(tmp_path, monkeypatch):
     got = render.show("ring", tmp_path)
     assert got["status"] == "pass" and "| 1 GiB | 0.970 |" in shown[-1]
     assert "2026-12-01T21:05:00" in shown[-1] and "`aaaaaaaaaaaa`" in shown[-1]
+    assert "on a GPU machine and committed" in shown[-1], "a student sees where it came from"
     assert render.show("pp", tmp_path) is None and render.result("pp", tmp_path) is None
     assert "no result yet" in shown[-1] and "--only pp" in shown[-1] and "2 GPUs" in shown[-1]
     (tmp_path / "tp.json").write_text(json.dumps({"check": "ring"}))  # another check's file

@@ -4,7 +4,7 @@ A module a lab shows a student (``labs/*.ipynb``, the notebooks students get: na
 its markdown, imported by its code cells, or imported from by the ``__init__`` of such a
 package) may hold only what students may use: it defines no graded exercise's name, and
 no function or method in it has the body of an exercise's reference (the solution's
-exercise cell, or the library code :data:`distlab.grading.labs.ANSWERS` refuses while
+exercise cell, or the library code :data:`distlab.grading.answers.ANSWERS` refuses while
 grading it) under another name. Bodies are compared as ASTs with the docstring dropped
 and the local names renamed in order of appearance, so renaming variables does not hide
 a copy. The answers

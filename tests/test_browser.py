@@ -187,6 +187,9 @@ def check_student_view(page, lab, name: str, expected=None) -> list[dict]:
     solution."""
     expected = expected or expected_outputs(stored(name))
     open_notebook(page, lab, name, len(expected))
+    page.wait_for_timeout(500)
+    assert page.evaluate("document.querySelector('.lm-TabBar-tab.jp-mod-dirty') === null"), (
+        f"{name} shows as modified as soon as it opens (JupyterLab rewrote its metadata)")
     cells = run_all(page, RUN_TIMEOUT_S)
     assert len(cells) == len(expected), (
         f"JupyterLab shows {len(cells)} cells, the notebook has {len(expected)}")

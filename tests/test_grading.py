@@ -63,6 +63,72 @@ def test_a_runaway_answer_is_stopped_by_the_exercise_time_limit(tmp_path):
     assert r.max_points >= 5, "a run that never reported keeps its points in the maximum"
 
 
+def test_a_cell_that_does_not_compile_is_its_own_verdict_beside_the_others(tmp_path):
+    """Lab 07 with a syntax error (under a magic line), a wrong answer and a right one."""
+    broken = ("%load_ext autoreload\ndef gpipe_schedule(num_stages, num_microbatches):\n"
+              "    m = num_microbatches\n    x = (1,\n    return [[]]\n")
+    nb = nbformat.read(ROOT / "solutions" / "07_pipeline_parallel.ipynb", as_version=4)
+    for cell in nb.cells:
+        if notebook.grade_id(cell) == "gpipe_schedule":
+            cell.source = broken
+        elif notebook.grade_id(cell) == "bubble_fraction":
+            cell.source = "def bubble_fraction(p, m):\n    return p / (m + p)\n"
+    path = tmp_path / "07_pipeline_parallel.ipynb"
+    nbformat.write(nb, path)
+    names = ["gpipe_schedule", "one_f_one_b_schedule", "bubble_fraction"]
+    syntax, right, wrong = runner.grade(path, only=names)
+    assert (right.verdict, right.points) == ("pass", right.max_points), right
+    assert wrong.verdict in ("partial", "fail") and wrong.points < wrong.max_points, wrong
+    line = broken.split("\n").index("    x = (1,") + 1  # in the cell, the magic line counted
+    column = "    x = (1,".index("(") + 1
+    assert (syntax.verdict, syntax.points, syntax.hint) == ("syntax error", 0, ""), syntax
+    assert syntax.max_points >= 5, "its tests are counted"
+    assert syntax.message.startswith(
+        f"line {line}, column {column} of your gpipe_schedule cell: "), syntax.message
+    assert syntax.message.count("line ") == 1 and "raise SyntaxError" not in syntax.message
+    table = runner.table([syntax]).splitlines()
+    code, caret = table[3], table[4]  # under the header and the row: the line, the caret
+    assert code.strip() == "x = (1," and code[caret.index("^")] == "(", "\n".join(table)
+
+
+def test_no_arguments_says_how_to_grade(capsys):
+    assert runner.main([]) == 2
+    said = capsys.readouterr().err
+    assert "make grade LAB=03" in said and "python -m distlab.grading labs/" in said, said
+
+
+@pytest.mark.parametrize("given", ["3", "03", "03_ring_allreduce"])
+def test_a_lab_is_named_by_its_name_or_its_number(given):
+    from distlab.grading import labs
+
+    assert runner.lab_named(given, labs.exercises()) == "03_ring_allreduce"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lab", "13"], "--lab 13 is not a lab. The labs: 00_setup, "),
+    (["--lab", "3_ring"], "did you mean 03_ring_allreduce?"),
+    (["--lab", "01", "labs/00_setup.ipynb"], "no notebook of 01_primitives in labs/00_setup.ipynb"),
+    (["--lab", "0", "--exercise", "ring_allreduce"], "--exercise ring_allreduce: no such exercise"),
+    (["docs"], "no notebook (*.ipynb) in docs")])
+def test_a_usage_error_exits_2_and_keeps_the_report(tmp_path, monkeypatch, capsys, args, says):
+    monkeypatch.chdir(ROOT)
+    report = tmp_path / "report.json"
+    report.write_text("the last report")
+    argv = args if any(a.startswith(("labs", "docs")) for a in args) else ["labs", *args]
+    assert runner.main([*argv, "--json", str(report)]) == 2
+    assert says in capsys.readouterr().err
+    assert report.read_text() == "the last report"
+
+
+def test_a_folder_and_a_lab_number_grade_that_labs_notebooks(tmp_path):
+    report = tmp_path / "report.json"
+    out = subprocess.run([sys.executable, "-m", "distlab.grading", "labs", "--lab", "0",
+                          "--json", str(report)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert list(json.loads(report.read_text())) == ["labs/00_setup.ipynb"]
+
+
 def test_the_command_line_prints_a_table_and_writes_json(tmp_path):
     report = tmp_path / "report.json"
     out = subprocess.run([sys.executable, "-m", "distlab.grade", "labs/00_setup.ipynb",

@@ -74,6 +74,36 @@ def test_a_rank_that_raises_names_itself_and_stops_the_others():
         assert f"rank {r}: waiting in all_reduce" in text, text
 
 
+# A notebook whose launched function fails inside the standard library (json): what the
+# RankError says first, as IPython runs the cells
+IN_IPYTHON = """
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("import json\\nfrom distlab import launch", store_history=True)
+shell.run_cell("def parse():\\n    text = '{'\\n    return json.loads(text)", store_history=True)
+shell.run_cell("try:\\n    launch.run(parse, 2, backend='gloo')\\n"
+               "except launch.RankError as e:\\n    print(str(e))", store_history=True)
+print("--- uncaught, as a notebook shows it:")
+shell.run_cell("launch.run(parse, 2, backend='gloo')", store_history=True)
+"""
+
+
+def test_a_rank_error_says_first_what_was_raised_and_at_which_line_of_the_callers_code():
+    run = subprocess.run([sys.executable, "-c", IN_IPYTHON], capture_output=True, text=True,
+                         timeout=120)
+    lines = run.stdout.splitlines()
+    assert lines[:2] == [
+        "rank 0 raised JSONDecodeError: Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1)",
+        "  at Cell In[2], line 3, in parse: return json.loads(text)"], run.stdout + run.stderr
+    assert lines[3] == "Traceback (most recent call last):", "then the details"
+    shown = lines[lines.index("--- uncaught, as a notebook shows it:") + 1:]
+    # the message first, not the launcher's frames above it
+    assert shown[0].endswith("RankError: rank 0 raised JSONDecodeError: Expecting property "
+                             "name enclosed in double quotes: line 1 column 2 (char 1)"), shown
+    assert shown[1] == lines[1], shown
+
+
 def _deadlock():
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.zeros(8)

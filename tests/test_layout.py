@@ -168,7 +168,7 @@ def test_an_installed_kit_finds_its_exercise_tests(tmp_path):
 
 def test_every_answer_module_imports_first():
     """Each module of :mod:`distlab.reference` and each answer module the grader imports
-    in its ranks (``labs.hidden_modules``) imports in a process where no other distlab
+    in its ranks (``answers.hidden_modules``) imports in a process where no other distlab
     module is loaded: a module that a package re-exports and that imports that package's
     submodules at its top fails here (the package imports it back before it is defined),
     though the graph above, which has no edge from a submodule to its package, passes."""
@@ -176,10 +176,10 @@ def test_every_answer_module_imports_first():
     import subprocess
     import sys
 
-    from distlab.grading import labs
+    from distlab.grading import answers
 
     names = sorted({n for n in MODULES if n.startswith("distlab.reference.")}
-                   | set(labs.hidden_modules()))
+                   | set(answers.hidden_modules()))
     code = ("import importlib, json, sys\nimport torch\nfailed = {}\n"
             f"for name in {names!r}:\n"
             "    for m in [m for m in sys.modules if m.split('.')[0] == 'distlab']:\n"

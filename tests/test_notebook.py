@@ -55,8 +55,36 @@ def test_module_source_has_the_notebook_imports_and_survives_a_broken_cell():
     namespace = {}
     exec(notebook.module_source(nb), namespace)
     assert namespace["area"](1.0) == pytest.approx(3.14159, rel=1e-5)
-    with pytest.raises(SyntaxError, match="the cell of broken does not compile"):
+    with pytest.raises(SyntaxError, match=r"broken does not compile \(line 1, column 12 of "
+                                          r"your broken cell: invalid syntax\)"):
         namespace["broken"]()
+
+
+# (cell source, the line Python stops at, the character its caret must sit under there):
+# a magic line first (blanked, so the lines below keep their numbers), a tab, a form feed
+BROKEN = [("%load_ext autoreload\ndef f():\n    m = 1\n    x = (1,\n    return [[]]\n", 4, "("),
+          ("def f(x):\n\tif x:\n\t\treturn (x +)\n", 3, ")"),
+          ("%time\n# one\x0c# page\ndef f():\n    return [1, 2 3]\n", 4, "2")]
+
+
+@pytest.mark.parametrize("source, line, char", BROKEN)
+def test_a_cell_that_does_not_compile_is_named_at_the_students_line_and_column(
+        source, line, char):
+    problem = notebook.compile_problem("f", source)
+    where, shown, caret = problem.split("\n")
+    code = source.split("\n")[line - 1]
+    column = code.rindex(char) + 1  # characters, as the cell's editor counts them
+    assert where.startswith(f"line {line}, column {column} of your f cell: "), problem
+    assert shown.strip() == code.strip().expandtabs(8) and shown.startswith("    ")
+    assert shown[caret.index("^")] == char, f"the caret is not under {char!r}:\n{problem}"
+    fixed = source.replace(code, code[:len(code) - len(code.lstrip())] + "pass")
+    assert notebook.compile_problem("f", fixed) == ""
+
+
+def test_a_cell_nested_too_deeply_to_compile_says_so():
+    problem = notebook.compile_problem("f", "def f():\n    return " + "+".join(["1"] * 100_000))
+    assert problem.startswith("your f cell is nested too deeply for Python to compile it"), \
+        problem
 
 
 def test_labs_are_the_release_of_the_solutions():
@@ -72,6 +100,86 @@ def test_stale_detects_a_changed_solution(tmp_path):
     assert notebook.stale(tmp_path / "s", tmp_path / "l") == []
     nbformat.write(_nb(("area", ANSWER.replace("pi", "tau"))), tmp_path / "s" / "01.ipynb")
     assert notebook.stale(tmp_path / "s", tmp_path / "l") == ["01.ipynb"]
+
+
+CHANGED = ANSWER.replace("circle", "disc")  # a solution changed where its lab shows it
+
+
+def _released(tmp_path, answer=ANSWER):
+    """solutions/ with one notebook, and labs/ released from it: the lab's path."""
+    (tmp_path / "s").mkdir(exist_ok=True)
+    nbformat.write(_nb(("area", answer)), tmp_path / "s" / "01.ipynb")
+    notebook.release_dir(tmp_path / "s", tmp_path / "l")
+    return tmp_path / "l" / "01.ipynb"
+
+
+def _edit(path, unstamped=False):
+    """A student's answer typed into the lab at ``path`` (the release's stamp dropped where
+    ``unstamped``, as in labs released before there were stamps)."""
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[2].source = nb.cells[2].source.replace("raise NotImplementedError", "return 3 * r * r")
+    if unstamped:
+        del nb.metadata["distlab"]
+    nbformat.write(nb, path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("unstamped", [False, True])
+def test_the_release_refuses_to_overwrite_an_edited_lab(tmp_path, capsys, unstamped):
+    lab = _released(tmp_path)
+    edited = _edit(lab, unstamped)
+    nbformat.write(_nb(("area", CHANGED)), tmp_path / "s" / "01.ipynb")
+    with pytest.raises(notebook.EditedLabs) as info:
+        notebook.release_dir(tmp_path / "s", tmp_path / "l")
+    assert info.value.paths == [lab] and lab.read_bytes() == edited
+    assert notebook.main(["release", str(tmp_path / "s"), str(tmp_path / "l")]) == 1
+    said = capsys.readouterr().err
+    assert str(lab) in said and "make labs FORCE=1" in said, said
+    assert lab.read_bytes() == edited and not (tmp_path / "l" / notebook.BACKUP).exists()
+
+
+def test_a_forced_release_keeps_a_copy_of_each_edited_lab_then_writes(tmp_path, monkeypatch):
+    lab = _released(tmp_path)
+    edited = _edit(lab)
+    monkeypatch.setattr(notebook.time, "strftime", lambda _: "20260102-030405")  # one second
+    _, kept = notebook.release_dir(tmp_path / "s", tmp_path / "l", force=True)
+    assert kept[lab].read_bytes() == edited, "the copy holds the student's work"
+    assert notebook.fingerprint(nbformat.read(lab, as_version=4)) == \
+        notebook.fingerprint(notebook.release(_nb(("area", ANSWER))))
+    again = _edit(lab)
+    _, kept_again = notebook.release_dir(tmp_path / "s", tmp_path / "l", force=True)
+    assert kept_again[lab] != kept[lab] and kept[lab].read_bytes() == edited, \
+        "a second copy in the same second never overwrites the first"
+    assert kept_again[lab].read_bytes() == again
+    assert [p.name for p in (tmp_path / "l").glob("*.ipynb")] == ["01.ipynb"], \
+        "labs/*.ipynb finds no copy"
+
+
+def test_an_unedited_lab_is_rewritten_when_its_solution_changes(tmp_path):
+    lab = _released(tmp_path)
+    _released(tmp_path, CHANGED)  # no refusal
+    nb = nbformat.read(lab, as_version=4)
+    assert "disc" in nb.cells[2].source
+    assert notebook.stamp(nb) == notebook.fingerprint(nb), "the lab is stamped with its cells"
+
+
+def test_opening_and_running_a_lab_is_not_an_edit(tmp_path):
+    lab = _released(tmp_path)
+    nb = nbformat.read(lab, as_version=4)
+    stamped = notebook.fingerprint(nb)
+    nb.metadata["language_info"] = {"name": "python", "version": "3.11.7"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    for cell in nb.cells:
+        cell.metadata.update(collapsed=False, scrolled=True)
+        if cell.cell_type == "code":
+            cell.execution_count = 7
+            cell.metadata["execution"] = {"iopub.status.idle": "2026-12-02T00:30:38Z"}
+            cell.outputs = [new_output("error", ename="NotImplementedError", evalue="",
+                                       traceback=[])]
+    nbformat.write(nb, lab)
+    assert notebook.fingerprint(nb) == stamped
+    _released(tmp_path, CHANGED)  # no refusal
+    assert "disc" in nbformat.read(lab, as_version=4).cells[2].source
 
 
 def test_every_solution_exercise_has_autograder_tests():

@@ -102,3 +102,44 @@ def test_the_widget_switches_change_the_activations():
     assert not widget.plan.flash_attention and widget.out.value != shown
     widget.switches["sequence_parallel"].value = True
     assert widget.plan.sequence_parallel
+
+
+LLAMA_405B = Plan(Model(layers=126, d_model=16384, heads=128, vocab=128256, kv_heads=8, ffn=53248,
+                        gated=True, tied=False),
+                  seq_len=8192, global_batch=2048, gpus=16384, gpu_bytes=80e9,
+                  peak_flops=989.4e12, intra_bw=370e9, inter_bw=50e9, recompute=True)
+
+
+def test_the_widget_shows_rounded_sizes_and_plans_with_the_exact_ones():
+    """405.849243648 billion parameters show as 405.8; the table stays the exact plan's
+    until the box is changed; counts are whole numbers; the switches' labels are not
+    pushed right by an indent (which cut "FlashAttention (no scores kept)" short)."""
+    ipywidgets = pytest.importorskip("ipywidgets")
+    from distlab.viz.planner import Planner, table_text
+
+    widget = Planner(LLAMA_405B)
+    assert widget.inputs["params"].value == 405.8
+    assert widget.plan.model.num_params == LLAMA_405B.model.num_params
+    assert repr(widget) == table_text(LLAMA_405B)
+    assert all(isinstance(widget.inputs[name], ipywidgets.IntText)
+               for name in ("layers", "d_model", "heads", "seq_len", "global_batch", "gpus"))
+    assert widget.inputs["gpu_bytes"].value == 80 and widget.inputs["intra_bw"].value == 370
+    widget.inputs["params"].value = 400
+    assert widget.plan.model.num_params == 400e9
+    for switch in widget.switches.values():
+        assert switch.indent is False and switch.layout.width, switch.description
+
+
+def test_the_widget_stored_without_a_run_says_to_run_it():
+    """A notebook opened without running it shows the widget output's HTML or text (a
+    fresh JupyterLab does not draw an untrusted notebook's widgets): both say the boxes
+    come with a run, list the sizes, and hold the table."""
+    pytest.importorskip("ipywidgets")
+    from distlab.viz.planner import Planner, sizes_text
+
+    data = Planner(LLAMA_405B)._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    for kind in ("text/plain", "text/html"):
+        assert "run this cell" in data[kind], kind
+        assert "parameters (billions) 405.8" in data[kind] and "suggested: dp=" in data[kind]
+    assert "recompute activations on" in sizes_text(LLAMA_405B)

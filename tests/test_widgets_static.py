@@ -18,6 +18,12 @@ sliders; the traffic plot's key covers no bar.
 Progress bars (``launch.progress``) must be stored finished: a stored tqdm widget shows
 its first frame ("0%") in a static view, so the bar's widget gives way to a plain line
 with the final count when it closes, and a re-run under nbval prints the same line.
+
+Lab 09's planner is stored as a snapshot that says to run its cell, without widget
+state. No code cell shows nbval's comment markers (they are cell tags). The figures of
+labs 09 and 10 that misled at a glance: timelines compared on one time axis, the FP8
+check's figure readable with its keys off the curves, a committed GPU result headed as
+one.
 """
 from __future__ import annotations
 
@@ -390,3 +396,98 @@ def test_the_browser_test_displays_each_widget_as_its_lab_does(widget, lab):
     assert labs, f"{path.name} no longer displays a {widget}"
     assert call(browser_support.WIDGET_CELLS[widget]) in labs, (
         f"{path.name} displays its {widget} with another call than tests/browser_support.py")
+
+
+# ---- lab 09's planner, nbval's markers, and figures read at a glance -------------------
+
+def test_the_planner_is_stored_as_a_snapshot_without_widget_state():
+    """Opened without running it, lab 09 shows the planner's HTML fallback (a fresh
+    JupyterLab does not draw the widgets of a notebook it has not trusted): it must say
+    that the boxes come with a run. Widget state saved with it would only draw boxes
+    that change nothing (no kernel behind them)."""
+    path = ROOT / "solutions" / "09_capstone.ipynb"
+    if not path.exists():
+        pytest.skip(f"no {path.name}")
+    nb = nbformat.read(path, as_version=4)
+    stored = [data for i, data in widget_outputs(nb) if "Planner(" in nb.cells[i].source]
+    assert stored, f"{path.name} stores no planner output"
+    for data in stored:
+        for kind in ("text/html", "text/plain"):
+            assert "run this cell" in data.get(kind, ""), (
+                f"the planner's {kind} does not say to run its cell")
+    assert "widgets" not in nb.metadata, (
+        f"{path.name} carries widget state (metadata.widgets), as nbclient stores it after "
+        f"`python -m distlab.grading.notebook execute`: drop it (nbformat: "
+        f"nb.metadata.pop('widgets'))")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_code_cell_shows_an_nbval_marker(path):
+    """nbval's markers are cell tags (nbval-ignore-output, ...), not comments that
+    students read in the code."""
+    nbval = pytest.importorskip("nbval.plugin")
+    nb = nbformat.read(path, as_version=4)
+    found = [f"cell {i}: {line.strip()}" for i, cell in enumerate(nb.cells)
+             if cell.cell_type == "code" for line in cell.source.splitlines()
+             if line.strip().startswith("#")
+             and line.strip().lstrip("#").strip() in nbval.comment_markers]
+    assert not found, (f"{path.name}: move these markers into the cells' tags "
+                       f"({', '.join(nbval.metadata_tags)}):\n" + "\n".join(found))
+
+
+def test_timelines_compared_share_one_time_axis():
+    """Two steps drawn one under the other: the longer draws longer."""
+    from distlab.timeline import Span, Timeline
+    from distlab.viz.timeline import timelines_figure
+
+    def step(seconds):
+        return Timeline([Span(0, "compute", "forward", 0.0, seconds / 2),
+                         Span(0, "comm", "all_reduce", seconds / 2, seconds, 1024)], [])
+
+    fig = timelines_figure({"short": step(0.05), "long": step(0.185)}, label_bytes=False)
+    short, long = (ax.get_xlim() for ax in fig.axes)
+    assert short == long and long[1] >= 185, (short, long)
+
+
+FP8_FIGURES = {
+    "linear": [{"shape": [1024, 2048, 1024], "gflop": 12.9, "speedup": 0.31},
+               {"shape": [8192, 2048, 8192], "gflop": 825.0, "speedup": 0.79},
+               {"shape": [4096, 8192, 16384], "gflop": 3299.0, "speedup": 1.52}],
+    "gpt": [{"config": name, "speedup": 1.08, "loss_floor": 6.3,
+             "bf16": {"losses": [10 - 3 * (1 - 0.9 ** i) for i in range(steps)]},
+             "fp8": {"losses": [10 - 3 * (1 - 0.9 ** i) for i in range(steps)]}}
+            for name, steps in (("98M", 40), ("1.25B", 200))],
+}
+
+
+def test_the_fp8_figure_reads_at_the_size_a_cell_shows_it():
+    """At most 10.5 inches (a notebook cell shows it at its size, not shrunk), tick
+    labels of 9 pt or more and level, a loss floor drawn as a black line that shows,
+    and every key outside its curves' frame."""
+    from distlab.viz.fp8 import plot_fp8
+
+    fig = plot_fp8(FP8_FIGURES)
+    assert fig.get_figwidth() <= 10.5, fig.get_figwidth()
+    renderer = drawn(fig)
+    for ax in fig.axes:
+        for label in ax.get_xticklabels() + ax.get_yticklabels():
+            if label.get_text():
+                assert label.get_fontsize() >= 9 and label.get_rotation() == 0, label.get_text()
+        if ax.get_legend():
+            key = ax.get_legend().get_window_extent(renderer)
+            assert not key.overlaps(ax.get_window_extent(renderer)), "a key covers the curves"
+    floors = [line for ax in fig.axes for line in ax.get_lines()
+              if line.get_label().startswith("loss floor")]
+    assert len(floors) == 2 and all(line.get_linewidth() >= 1.2 and line.get_color() == "black"
+                                    for line in floors)
+
+
+def test_a_committed_gpu_result_is_headed_as_one():
+    """"fp8: fail" read as the student's own failure; the heading says what failed."""
+    from distlab.acceptance.render import render_result
+
+    result = {"check": "fp8", "status": "fail", "goal": "FP8 >= 1.2x BF16", "environment": {},
+              "misses": ["FP8 1.08x BF16's tokens/s, below 1.2x"]}
+    first = render_result(result).splitlines()[0]
+    assert first == "#### GPU acceptance check `fp8` (committed result): goals missed", first
+    assert "- missed: FP8 1.08x" in render_result(result)

@@ -21,6 +21,16 @@ def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+VERDICTS = {"pass": "goals met", "fail": "goals missed",
+            "error": "did not finish (an error, below)"}
+
+
+def heading(check: str, verdict: str) -> str:
+    """"#### GPU acceptance check `fp8` (committed result): goals missed": a reader of a
+    notebook sees a check run on a GPU machine, not a failure of their own."""
+    return f"#### GPU acceptance check `{check}` (committed result): {verdict}"
+
+
 def render_result(result: dict) -> str:
     env = result.get("environment", {})
     commit = f"`{str(env.get('git_commit') or 'unknown')[:12]}`"
@@ -31,7 +41,7 @@ def render_result(result: dict) -> str:
     versions = ", ".join(f"{name} {env[key]}" for name, key in (
         ("torch", "torch"), ("CUDA", "cuda_runtime"), ("NCCL", "nccl"), ("driver", "cuda_driver"))
         if env.get(key))
-    lines = [f"#### `{result['check']}`: {result['status']}",
+    lines = [heading(result["check"], VERDICTS.get(result["status"], result["status"])),
              "",
              f"Goal: {result['goal']}. Measured {env.get('date', 'at an unknown date')} on "
              f"{env.get('hardware', 'unknown hardware')}; {versions}; commit "
@@ -121,11 +131,15 @@ def show(check: str, results: Path = RESULTS):
                          f"{', '.join(REGISTRY)}")
     found = result(check, results)
     if found is not None:
-        display(Markdown(render_result(found)))
+        title, _, body = render_result(found).partition("\n")
+        display(Markdown(f"{title}\n\nMeasured by `python -m distlab.acceptance --only "
+                         f"{check}` on a GPU machine and committed to `docs/results/`; nothing "
+                         f"in this notebook ran it.\n{body}"))
         return found
     needs = REGISTRY[check].gpus
     display(Markdown(
-        f"#### `{check}`: no result yet\n\nGoal: {REGISTRY[check].goal}.\n\nNo run of this "
+        f"#### GPU acceptance check `{check}`: no result yet\n\nGoal: "
+        f"{REGISTRY[check].goal}.\n\nNo run of this "
         f"check is committed in `docs/results/`. On a machine with {needs} GPU"
         f"{'s' * (needs > 1)}: `python -m distlab.acceptance --only {check} --out docs/results`, "
         f"then re-run this cell."))

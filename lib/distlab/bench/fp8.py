@@ -26,7 +26,8 @@ Sections (``--sections``):
 Without a GPU (``--quick``, or no CUDA) the same code runs with torchao's ``emulate=True``
 (the FP8 matmuls emulated in float32) on tiny shapes, without compiling: it checks the
 code path, not the speed. Writes ``fp8_bench.json`` to ``--out``; :func:`goal_misses`
-judges it against :data:`GOALS` (the acceptance check ``fp8``), :func:`draw` plots it.
+judges it against :data:`GOALS` (the acceptance check ``fp8``), and
+:func:`distlab.viz.fp8.plot_fp8` draws it.
 
 torchao must match torch: :data:`TORCHAO` is the release built for torch 2.11 (torchao's
 compatibility table: 0.17.0 for torch 2.11.0, ABI-stable from there on);
@@ -262,32 +263,6 @@ def table(result: dict) -> dict:
                      f"(gap {r['final_loss_gap']:.2%}, floor {r['loss_floor']:.3f})"])
     return {"columns": ["case", "BF16 (ms or tokens/s)", "FP8 (ms or tokens/s)",
                         "FP8 speedup", "note"], "rows": rows}
-
-
-def draw(result: dict):
-    """The figure of a result: FP8's speedup per linear shape, and each GPT's loss
-    curves in both precisions. Returns the matplotlib figure."""
-    import matplotlib.pyplot as plt
-
-    gpts = result.get("gpt") or []
-    fig, axes = plt.subplots(1, 1 + len(gpts), figsize=(5 * (1 + len(gpts)), 3.8),
-                             squeeze=False)
-    left = axes[0][0]
-    linear = sorted(result.get("linear") or [], key=lambda r: r["gflop"])
-    labels = ["×".join(map(str, r["shape"])) for r in linear]
-    left.bar(range(len(linear)), [r["speedup"] for r in linear], color="tab:blue")
-    left.axhline(1.0, color="black", lw=0.8)
-    left.set_xticks(range(len(linear)), labels, rotation=30, ha="right", fontsize=8)
-    left.set(ylabel="FP8 / BF16 speed", title="linear forward + backward (tokens×in×out)")
-    for ax, row in zip(axes[0][1:], gpts):
-        for precision, style in (("bf16", "-"), ("fp8", "--")):
-            ax.plot(row[precision]["losses"], style, label=precision.upper(), lw=1)
-        ax.axhline(row["loss_floor"], color="gray", lw=0.8, ls=":", label="loss floor")
-        ax.set(xlabel="step", ylabel="loss (nats)", title=f"GPT {row['config']}: "
-               f"FP8 {row['speedup']:.2f}× BF16's tokens/s")
-        ax.legend()
-    fig.tight_layout()
-    return fig
 
 
 # --------------------------------------------------------------------- command line

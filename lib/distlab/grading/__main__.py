@@ -1,4 +1,4 @@
-"""``python -m distlab.grading NOTEBOOK... [--json FILE]``: grade lab notebooks."""
+"""``python -m distlab.grading NOTEBOOK|FOLDER... [--lab N] [--json FILE]``: grade lab notebooks."""
 import sys
 
 from distlab.grading.runner import main

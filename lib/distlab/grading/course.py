@@ -29,13 +29,12 @@ score as its manual score, which nbgrader's total uses over any auto score.)
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
 
-from distlab.grading import notebook, runner
+from distlab.grading import labs, notebook, runner
 
 SOLUTIONS = Path(__file__).resolve().parents[3] / "solutions"  # in a checkout of the kit
 CONFIG = '''\
@@ -48,23 +47,8 @@ c.Execute.timeout = 1800
 
 
 def cpu_test_counts(names: list[str], tests_dir: Path = runner.TESTS) -> dict[str, int]:
-    """Exercise name → the number of its tests outside the gpu and multigpu tiers."""
-    files = [tests_dir / f"test_{name}.py" for name in names]
-    missing = [f.name for f in files if not f.exists()]
-    if missing:
-        raise FileNotFoundError(f"no autograder tests for {', '.join(missing)} in {tests_dir}")
-    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                          "-p", "no:cacheprovider", "-m", "not gpu and not multigpu",
-                          *map(str, files)],
-                         cwd=tests_dir, capture_output=True, text=True, timeout=300)
-    counts = dict.fromkeys(names, 0)
-    for line in run.stdout.splitlines():
-        name = Path(line.split("::")[0]).stem.removeprefix("test_")
-        if "::" in line and name in counts:
-            counts[name] += 1
-    if run.returncode or not all(counts.values()):
-        raise RuntimeError(f"could not count the tests of {names}:\n{run.stdout}{run.stderr}")
-    return counts
+    """Exercise name → its points on a CPU machine (one per test outside the GPU tiers)."""
+    return {name: cpu for name, (cpu, _) in labs.test_counts(names, tests_dir).items()}
 
 
 def autograder_cell(notebook_file: str, name: str, points: int):

@@ -7,83 +7,32 @@ A notebook is the lab whose name its file name starts with (``05_zero.ipynb``,
 ``05_zero-alice.ipynb``, ``05_zero (1).ipynb``); a file name that starts with no lab's
 name is not graded at all (:func:`lab_of` gives None; the grader reports an error).
 
-:data:`ANSWERS` names, per exercise, the library code that answers it (in the labs'
-order, which is the order of the report). In a graded rank, while that exercise is
+:data:`~distlab.grading.answers.ANSWERS` (the answers' manifest) names, per exercise,
+the library code that answers it (in the labs' order, which is the order of the report). In a graded rank, while that exercise is
 graded, each of them refuses (:func:`disarm`): calling it, instantiating it or
 subclassing it raises :data:`REFUSAL`; and where graded ranks are sandboxed the source
-files of every module named here are absent from their filesystem (:func:`hidden_modules`,
-left out by :mod:`distlab.runtime.confine`).
+files of every module it names are absent from their filesystem
+(:func:`distlab.grading.answers.hidden_modules`, left out by :mod:`distlab.runtime.confine`).
 
 ``python -m distlab.grading.labs check solutions`` exits 1 when the exercise tests,
-``solutions/`` and :data:`ANSWERS` disagree (:func:`problems`).
+``solutions/`` and :data:`ANSWERS` disagree (:func:`problems`); ``... render solutions
+--readme README.md`` writes each lab's graded exercises and their points (one per test,
+:func:`test_counts`) into its first cell and the README (:func:`render`; ``make labs``).
 """
 from __future__ import annotations
 
 import ast
 import importlib
+import re
+import subprocess
 import sys
 import types
 from pathlib import Path
 
+from distlab.grading.answers import ANSWERS, REFUSAL
+
 TESTS = Path(__file__).resolve().parent / "exercises"
 
-_RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ring:ring_all_gather",
-         "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
-_SCHEDULES = ("distlab.reference.pp:gpipe_schedule", "distlab.reference.pp:one_f_one_b_schedule",
-              "distlab.reference.pp:bubble_fraction", "distlab.reference.pp:build_schedule")
-_DP = ("distlab.reference.dp:DataParallel", "distlab.reference.dp:_Bucket",
-       "distlab.reference.dp:OneShotDataParallel", "distlab.reference.dp:allreduce_gradients")
-
-# "module:name" of the library code that answers each exercise. all_reduce_mean has none
-# (the library has no mean all-reduce). bus_factor answers bus_bandwidth: lab 01 asks for
-# the factor itself (later labs may use it freely; only bus_bandwidth's grading refuses it).
-ANSWERS: dict[str, tuple[str, ...]] = {
-    "all_reduce_mean": (),
-    "bus_bandwidth": ("distlab.reference.bandwidth:bus_factor",),
-    "pipelined_broadcast": ("distlab.collectives.broadcast:pipelined_broadcast",),
-    "ps_sgd_step": ("distlab.collectives.ps:ps_sgd_step",),
-    "ring_reduce_scatter": _RING,
-    "ring_all_gather": _RING,
-    "ring_allreduce": _RING,
-    "allreduce_gradients": _DP,
-    "zero_bytes_per_rank": ("distlab.reference.memory:zero_bytes",),
-    "shard_range": ("distlab.reference.shards:shard_range", "distlab.reference.shards:shard_sizes"),
-    "zero2_step": ("distlab.reference.zero:zero2_step", "distlab.reference.zero:adamw_",
-                   "distlab.reference.zero:reduce_scatter_mean",
-                   "distlab.reference.zero:all_gather_shards"),
-    "ZeRO3Unit": ("distlab.reference.fsdp:_Unit",
-                  "distlab.reference.fsdp:FullyShardedDataParallel",
-                  "distlab.reference.zero:FlatParams", "distlab.reference.zero:Layout",
-                  "distlab.reference.zero:reduce_scatter_mean",
-                  "distlab.reference.zero:all_gather_shards"),
-    "ColumnParallelLinear": ("distlab.reference.tp:ColumnParallelLinear",
-                             "distlab.reference.tp:RowParallelLinear"),
-    "RowParallelLinear": ("distlab.reference.tp:ColumnParallelLinear",
-                          "distlab.reference.tp:RowParallelLinear"),
-    # the embedding's forward is the masked lookup and sum the loss needs for the target's logit
-    "vocab_parallel_cross_entropy": ("distlab.reference.tp:vocab_parallel_cross_entropy",
-                                     "distlab.reference.tp:VocabParallelEmbedding"),
-    "gpipe_schedule": _SCHEDULES,
-    "one_f_one_b_schedule": _SCHEDULES,
-    "bubble_fraction": _SCHEDULES,
-    "run_stage": ("distlab.reference.pp:PipelineRunner", "distlab.reference.pp:sum_tied_gradients",
-                  "distlab.pp.p2p:StageLink"),
-    "BucketedDDP": _DP,
-    "mesh_groups": ("distlab.reference.mesh:Grid", "distlab.reference.mesh:Mesh"),
-    "distributed_train_step": ("distlab.reference.train:Trainer", "distlab.reference.train:build",
-                               "distlab.reference.train:train", "distlab.reference.train:_Bucket",
-                               "distlab.reference.train:_Shards", "distlab.reference.zero:reduce_grads"),
-    "ring_attention": ("distlab.cp._reference:ring_attention",
-                       "distlab.cp._reference:_RingAttention"),
-    # kept() is the contract's drop rule, combine_local the one-process layer's sum
-    "moe_dispatch_combine": ("distlab.moe._reference:moe_dispatch_combine",
-                             "distlab.moe._reference:kept", "distlab.moe._reference:combine_local"),
-    # lab 10: the casts (re-exported by distlab.fp8) are the exercise's own few lines
-    "fp8_linear": tuple(f"distlab.reference.fp8:{n}" for n in (
-        "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),
-}
-
-REFUSAL = "this is the library's answer to the exercise being graded"
 
 
 def exercises(tests_dir: Path = TESTS) -> dict[str, tuple[str, ...]]:
@@ -181,11 +130,6 @@ def disarm(exercise: str) -> list[str]:
     return done
 
 
-def hidden_modules() -> list[str]:
-    """Every module named in :data:`ANSWERS`: imported, then hidden, in graded ranks."""
-    return sorted({ref.split(":")[0] for refs in ANSWERS.values() for ref in refs})
-
-
 # ----------------------------------------------------------------- the kit agrees
 
 
@@ -217,6 +161,124 @@ def rank_imports(test_file: Path) -> tuple[str, ...]:
     return tuple(n for n in names if isinstance(n, str))
 
 
+def is_core(test_file: Path) -> bool:
+    """Whether a test file declares its exercise a lab's core one (``CORE = True``)."""
+    return _declared(test_file, "CORE") is True
+
+
+# a pytest run that prints each collected test's exercise and whether a GPU tier marks it
+_COUNT = """
+import sys, pytest
+class Tiers:
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            gpu = any(item.get_closest_marker(m) for m in ("gpu", "multigpu"))
+            print("TIER", item.nodeid.split("::")[0], int(gpu))
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]],
+                     plugins=[Tiers()]))
+"""
+
+
+def test_counts(names: list[str], tests_dir: Path = TESTS) -> dict[str, tuple[int, int]]:
+    """Exercise name → (its tests outside the gpu and multigpu tiers, its tests in them):
+    its points on a CPU machine, and the points a machine with GPUs adds (one per test)."""
+    files = [tests_dir / f"test_{name}.py" for name in names]
+    missing = [f.name for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"no autograder tests for {', '.join(missing)} in {tests_dir}")
+    run = subprocess.run([sys.executable, "-c", _COUNT, *map(str, files)], cwd=tests_dir,
+                         capture_output=True, text=True, timeout=300)
+    counts = {name: [0, 0] for name in names}
+    for line in run.stdout.splitlines():
+        if line.startswith("TIER "):
+            _, path, gpu = line.split()
+            name = Path(path).stem.removeprefix("test_")
+            if name in counts:
+                counts[name][int(gpu)] += 1
+    if run.returncode or not all(cpu for cpu, _ in counts.values()):
+        raise RuntimeError(f"could not count the tests of {names}:\n{run.stdout}{run.stderr}")
+    return {name: (cpu, gpu) for name, (cpu, gpu) in counts.items()}
+
+
+# ------------------------------------------------ the graded exercises, where users read them
+
+BEGIN_LISTING = "<!-- graded exercises: written by `make labs` "
+END_LISTING = "<!-- end of graded exercises -->"
+_LISTING = re.compile(re.escape(BEGIN_LISTING) + r".*?" + re.escape(END_LISTING), re.DOTALL)
+_HEADER = (f"{BEGIN_LISTING}(python -m distlab.grading.labs render) from the grader's own list; "
+           f"do not edit -->")
+
+
+def _points(cpu: int, gpu: int) -> str:
+    return f"{cpu}" + (f" (+{gpu} with GPUs)" if gpu else "")
+
+
+def lab_listing(lab: str, counts: dict[str, tuple[int, int]], tests_dir: Path = TESTS) -> str:
+    """The block a lab's first cell ends with: each graded exercise and its points."""
+    names = exercises(tests_dir)[lab]
+    rows = [f"| `{name}`{' (core)' if is_core(tests_dir / f'test_{name}.py') else ''} | "
+            f"{_points(*counts[name])} |" for name in names]
+    cpu, gpu = (sum(counts[n][i] for n in names) for i in (0, 1))
+    number = lab.split("_")[0]
+    return "\n".join([
+        _HEADER,
+        f"**Graded exercises** ({len(names)}; `make grade LAB={number}` grades them, one "
+        f"point per test, {_points(cpu, gpu)} in all):", "",
+        "| exercise | points |", "| --- | --- |", *rows, END_LISTING])
+
+
+def readme_listing(counts: dict[str, tuple[int, int]], tests_dir: Path = TESTS) -> str:
+    """The README's table of every lab's graded exercises and their points."""
+    rows = []
+    for lab, names in exercises(tests_dir).items():
+        cells = [f"`{n}`{' (core)' if is_core(tests_dir / f'test_{n}.py') else ''} "
+                 f"{_points(*counts[n])}" for n in names]
+        rows.append(f"| {lab} | {'; '.join(cells)} |")
+    return "\n".join([_HEADER, "| lab | graded exercises and their points |",
+                      "| --- | --- |", *rows, END_LISTING])
+
+
+def _with_listing(text: str, listing: str, where: str) -> str:
+    if _LISTING.search(text):
+        return _LISTING.sub(lambda _: listing, text, count=1)
+    raise ValueError(f"{where} has no graded-exercises block: add a line "
+                     f"'{BEGIN_LISTING}-->' and a line '{END_LISTING}' where it goes")
+
+
+def render(solutions: Path, readme: Path | None, tests_dir: Path = TESTS,
+           write: bool = True) -> list[str]:
+    """Write each lab's graded exercises and points into the first cell of its solution
+    notebook, and all of them into ``readme``, from the grader's own list
+    (:func:`exercises`, :func:`test_counts`). Returns the files that changed (with
+    ``write=False``: that would change)."""
+    import nbformat
+
+    labs = exercises(tests_dir)
+    counts = test_counts([n for names in labs.values() for n in names], tests_dir)
+    changed = []
+    for lab in labs:
+        path = Path(solutions) / f"{lab}.ipynb"
+        nb = nbformat.read(path, as_version=4)
+        first = nb.cells[0]
+        text = first.source
+        listing = lab_listing(lab, counts, tests_dir)
+        new = _with_listing(text, listing, f"{path}'s first cell") if BEGIN_LISTING in text \
+            else f"{text.rstrip()}\n\n{listing}"
+        if new != text:
+            changed.append(str(path))
+            if write:
+                first.source = new
+                nbformat.write(nb, path)
+    if readme is not None:
+        text = Path(readme).read_text()
+        new = _with_listing(text, readme_listing(counts, tests_dir), str(readme))
+        if new != text:
+            changed.append(str(readme))
+            if write:
+                Path(readme).write_text(new)
+    return changed
+
+
 def problems(solutions: Path, tests_dir: Path = TESTS) -> list[str]:
     """Where the exercise tests, ``solutions/`` and :data:`ANSWERS` disagree (empty: none)."""
     import nbformat
@@ -242,7 +304,7 @@ def problems(solutions: Path, tests_dir: Path = TESTS) -> list[str]:
     for lab, names in labs.items():
         for name in names:
             if name not in ANSWERS:
-                found.append(f"{name} ({lab}) has no entry in distlab.grading.labs.ANSWERS: "
+                found.append(f"{name} ({lab}) has no entry in distlab.grading.answers.ANSWERS: "
                              f"name the library code that answers it, or () for none")
     for refs in ANSWERS.values():
         for ref in refs:
@@ -253,11 +315,22 @@ def problems(solutions: Path, tests_dir: Path = TESTS) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "check":
-        print("usage: python -m distlab.grading.labs check SOLUTIONS_DIR", file=sys.stderr)
-        return 2
-    found = problems(Path(argv[1]))
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m distlab.grading.labs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="exit 1 where the exercise tests, solutions/ and ANSWERS "
+                                 "disagree").add_argument("solutions", type=Path)
+    p = sub.add_parser("render", help="write the graded exercises and their points into each "
+                                      "solution notebook's first cell and the README")
+    p.add_argument("solutions", type=Path)
+    p.add_argument("--readme", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.command == "render":
+        for path in render(args.solutions, args.readme):
+            print(f"wrote the graded exercises into {path}")
+        return 0
+    found = problems(args.solutions)
     for line in found:
         print(line, file=sys.stderr)
     if not found:

@@ -5,7 +5,13 @@ its metadata, NAME being the function or class it defines, and its answer betwee
 ``### BEGIN SOLUTION`` and ``### END SOLUTION``. The release replaces each answer with
 ``raise NotImplementedError`` (as nbgrader's ``ClearSolutions``) and drops outputs.
 
-    python -m distlab.grading.notebook release solutions labs   # make labs
+The release stamps each lab with a fingerprint of its cells (metadata ``distlab.release``,
+:func:`fingerprint`: cell types and sources, so that opening or running a lab changes
+nothing it counts). ``release`` refuses to overwrite a lab whose cells differ both from
+its stamp and from the new release (a student's work); ``--force`` first keeps a copy of
+each such lab in ``labs/backup/`` (:func:`release_dir`).
+
+    python -m distlab.grading.notebook release solutions labs   # make labs (--force: FORCE=1)
     python -m distlab.grading.notebook check solutions labs     # exit 1 when labs/ is stale
     python -m distlab.grading.notebook execute solutions/00_setup.ipynb  # rerun, keep outputs
 """
@@ -14,10 +20,14 @@ from __future__ import annotations
 import ast
 import copy
 import errno
+import hashlib
+import itertools
+import json
 import os
 import re
 import stat
 import sys
+import time
 from pathlib import Path
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
@@ -94,9 +104,25 @@ def is_untouched(source: str) -> bool:
     return STUB in body and BEGIN not in source
 
 
+def fingerprint(nb) -> str:
+    """sha256 of the notebook's cells' types and sources: what a student edits (a cell's
+    code or text, a cell added or removed), not what opening or running it changes
+    (outputs, execution counts, metadata)."""
+    cells = [[cell.cell_type, cell.source] for cell in nb.cells]
+    return hashlib.sha256(json.dumps(cells).encode()).hexdigest()
+
+
+def stamp(nb) -> str | None:
+    """The fingerprint the release stamped a lab with (None: an unstamped lab)."""
+    meta = nb.metadata.get("distlab")
+    found = meta.get("release") if isinstance(meta, dict) else None
+    return found if isinstance(found, str) else None
+
+
 def release(nb):
     """A copy of solution notebook ``nb`` for students: answers stubbed, no outputs, no
-    record of the solution's run (execution counts, the kernel's timestamps)."""
+    record of the solution's run (execution counts, the kernel's timestamps), stamped
+    with its :func:`fingerprint`."""
     out = copy.deepcopy(nb)
     for cell in out.cells:
         if cell.cell_type != "code":
@@ -106,6 +132,8 @@ def release(nb):
         cell.outputs = []
         cell.execution_count = None
         cell.metadata.pop("execution", None)
+    out.metadata.pop("widgets", None)  # the state of the solution's widgets, now outputless
+    out.metadata["distlab"] = {"release": fingerprint(out)}
     return out
 
 
@@ -129,40 +157,138 @@ def imports(nb) -> list[str]:
 
 
 def _strip_magics(source: str) -> str:
+    """``source`` with IPython's magic and shell lines blanked, not removed: every other
+    line keeps its number (lines cut at line feeds only, as Python counts them)."""
     return "\n".join("" if line.lstrip().startswith(("%", "!")) else line
-                     for line in source.splitlines())
+                     for line in source.split("\n"))
+
+
+def compile_problem(name: str, source: str) -> str:
+    """"" when exercise cell ``name`` compiles; else what stops it, in the student's terms:
+    "line 3, column 12 of your NAME cell: <Python's words>", then that line with a caret
+    under the column (lines and columns as the cell shows them)."""
+    try:
+        compile(_strip_magics(source), f"<your {name} cell>", "exec")
+    except SyntaxError as exc:
+        return _syntax_message(name, source, exc)
+    except ValueError as exc:
+        return f"your {name} cell cannot be compiled: {exc}"
+    except UNPARSABLE as exc:  # the parser's own stack or memory ran out
+        return (f"your {name} cell is nested too deeply for Python to compile it "
+                f"({type(exc).__name__}): split its longest expression into smaller "
+                f"statements")
+    return ""
+
+
+def _syntax_message(name: str, source: str, exc: SyntaxError) -> str:
+    from distlab.grading.output import shown
+
+    lines = source.split("\n")
+    if not exc.lineno or not 0 < exc.lineno <= len(lines):
+        return f"your {name} cell: {exc.msg}"
+    column = exc.offset if exc.offset and exc.offset > 0 else 0
+    head = (f"line {exc.lineno}" + (f", column {column}" if column else "") +
+            f" of your {name} cell: {exc.msg}")
+    line = lines[exc.lineno - 1].rstrip()
+    before = line[:max(column - 1, 0)].expandtabs(8)
+    line = line.expandtabs(8)
+    indent = len(line) - len(line.lstrip())
+    start = max(indent, len(before) - 60)  # a long line: up to 60 characters before the column
+    cut = "..." if start > indent else ""
+    text = cut + line[start:start + 80] + ("..." if len(line) > start + 80 else "")
+    if not column:
+        return f"{head}\n    {text}"
+    caret = len(shown(cut + before[start:]))  # under the column as the grader prints the line
+    return f"{head}\n    {text}\n    {' ' * caret}^"
 
 
 def module_source(nb) -> str:
     """A Python module made of the notebook's exercise cells (after its imports).
 
-    A cell that does not compile becomes a stub raising its SyntaxError when called, so
-    one broken cell does not sink the other exercises."""
+    A cell that does not compile (:func:`compile_problem`) becomes a stub raising a
+    SyntaxError that says so when called, so that an exercise calling it is told why;
+    the grader reports the cell itself, without running its tests."""
     parts = ['"""Exercises extracted from a notebook by distlab.grading.notebook."""']
     parts += imports(nb)
     for name, source in exercises(nb).items():
-        source = _strip_magics(source)
-        try:
-            compile(source, f"<exercise {name}>", "exec")
-        except UNPARSABLE as exc:  # nested too deep to compile, too: the same stub
-            why = str(exc) if isinstance(exc, SyntaxError) else (
-                f"{type(exc).__name__} (nested too deeply)")
-            source = (f"def {name}(*args, **kwargs):\n    raise SyntaxError("
-                      f"{f'the cell of {name} does not compile: {why}'!r})")
+        problem = compile_problem(name, source)
+        source = (f"def {name}(*args, **kwargs):\n    raise SyntaxError("
+                  f"{f'{name} does not compile ({problem.splitlines()[0]})'!r})"
+                  if problem else _strip_magics(source))
         parts.append(f"# --- exercise {name}\n{source}")
     return "\n\n".join(parts) + "\n"
 
 
-def release_dir(solutions: Path, labs: Path) -> list[Path]:
+BACKUP = "backup"  # the folder of labs/ where a forced release keeps the labs it overwrites
+
+
+class EditedLabs(RuntimeError):
+    """The release would overwrite labs someone edited (``paths``); nothing was written."""
+
+    def __init__(self, paths: list[Path]):
+        self.paths = paths
+        super().__init__(
+            "these labs were edited since the release wrote them, and writing the new "
+            "release would lose that work:\n" + "".join(f"  {p}\n" for p in paths) +
+            f"Nothing was written. `make labs FORCE=1` (--force) keeps a copy of each in "
+            f"{paths[0].parent / BACKUP}/, then writes the new release.")
+
+
+def _edited(path: Path, new) -> bool:
+    """Whether the lab at ``path`` holds work that writing ``new`` over it would lose: its
+    cells differ from its stamp and from ``new``'s (an unstamped lab: from ``new``'s). A
+    file that is not a readable notebook counts as edited."""
     import nbformat
 
+    if not path.exists():
+        return False
+    try:
+        nb = nbformat.read(path, as_version=4)
+        return fingerprint(nb) not in (stamp(nb), fingerprint(new))
+    except Exception:  # noqa: BLE001 — whatever the file holds is someone's
+        return True
+
+
+def _keep_copy(path: Path) -> Path:
+    """A copy of the lab at ``path`` in ``labs/backup/``, ``NAME-<date>-<time>.ipynb``
+    (a file the grader still takes for that lab's), never written over another copy."""
+    folder = path.parent / BACKUP
+    folder.mkdir(exist_ok=True)
+    data = path.read_bytes()
+    when = time.strftime("%Y%m%d-%H%M%S")
+    for n in itertools.count(1):
+        kept = folder / f"{path.stem}-{when}{f'-{n}' if n > 1 else ''}.ipynb"
+        try:
+            fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return kept
+
+
+def release_dir(solutions: Path, labs: Path, force: bool = False) -> tuple[list[Path], dict]:
+    """Write the release of each solution notebook into ``labs``, each file replaced whole
+    (:func:`distlab.grading.output.replace_file`); returns (the labs written, {lab: the
+    copy kept of it}). A lab someone edited (:func:`_edited`) is never lost: without
+    ``force`` :class:`EditedLabs` is raised before anything is written; with it, a copy of
+    each such lab is kept in ``labs/backup/`` (:func:`_keep_copy`) before any is written."""
+    import nbformat
+
+    from distlab.grading.output import replace_file
+
+    plan = [(labs / src.name, release(nbformat.read(src, as_version=4)))
+            for src in sorted(solutions.glob("*.ipynb"))]
+    edited = [dst for dst, nb in plan if _edited(dst, nb)]
+    if edited and not force:
+        raise EditedLabs(edited)
     labs.mkdir(parents=True, exist_ok=True)
-    written = []
-    for src in sorted(solutions.glob("*.ipynb")):
-        dst = labs / src.name
-        nbformat.write(release(nbformat.read(src, as_version=4)), dst)
-        written.append(dst)
-    return written
+    kept = {dst: _keep_copy(dst) for dst in edited}
+    for dst, nb in plan:
+        replace_file(dst, (nbformat.writes(nb).rstrip("\n") + "\n").encode())
+    return [dst for dst, _ in plan], kept
 
 
 def stale(solutions: Path, labs: Path) -> list[str]:
@@ -187,7 +313,9 @@ def execute(path: Path, timeout: float = 900) -> None:
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3",
+    # no widget state: a stored widget shows its own fallback (a picture, a snapshot that
+    # says to run the cell), never state that a fresh JupyterLab does not draw
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=False,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     nbformat.write(nb, path)
 
@@ -202,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("solutions", type=Path)
         p.add_argument("labs", type=Path)
+        if name == "release":
+            p.add_argument("--force", action="store_true",
+                           help="overwrite edited labs too, keeping a copy of each in "
+                                f"LABS/{BACKUP}/")
     p = sub.add_parser("execute")
     p.add_argument("notebooks", type=Path, nargs="+")
     args = parser.parse_args(argv)
@@ -211,8 +343,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"executed {path}")
         return 0
     if args.command == "release":
-        for path in release_dir(args.solutions, args.labs):
+        try:
+            written, kept = release_dir(args.solutions, args.labs, args.force)
+        except EditedLabs as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for path in written:
             print(f"wrote {path}")
+        for path, copy_path in kept.items():
+            print(f"your edited {path.name} is kept as {copy_path} (in JupyterLab: the "
+                  f"{BACKUP} folder)")
         return 0
     bad = stale(args.solutions, args.labs)
     if bad:

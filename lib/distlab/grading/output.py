@@ -2,7 +2,8 @@
 (:func:`shown`), the report table with each exercise's hint and self-reported points
 (:func:`table`), where the traffic evidence comes from (:func:`traffic_evidence`), the
 student's own line in a rank's traceback (:func:`student_line`), and the JSON written
-without following a planted link (:func:`write_report`)."""
+without following a planted link (:func:`write_report`); files replaced whole
+(:func:`replace_file`: the labs a release writes)."""
 from __future__ import annotations
 
 import contextlib
@@ -95,13 +96,16 @@ def traffic_evidence() -> str:
 
 def table(results: list, title: str = "") -> str:
     """The report, every student-controlled string escaped (:func:`shown`): per exercise
-    its points (how many rest on self-reported traffic), verdict, first failing check and
-    the hint to open."""
+    its points (how many rest on self-reported traffic), verdict, first failing check (a
+    message's further lines, as a syntax error's line and caret, under its first: never
+    at the start of a line, where rows and totals are) and the hint to open."""
     rows = [("exercise", "points", "verdict", "first failing check")]
     for r in results:
         pts = f"{r.points}/{r.max_points}" + (f" (+{r.blocked} blocked)" if r.blocked else "") + (
             f" ({r.self_reported} self-reported)" if r.self_reported else "")
-        rows.append((shown(r.exercise), pts, shown(r.verdict), shown(r.message)))
+        first, *more = str(r.message).split("\n")
+        rows.append((shown(r.exercise), pts, shown(r.verdict), shown(first)))
+        rows += [("", "", "", shown(line)) for line in more]
         if r.hint:
             rows.append(("", "", "", f"\u2192 {shown(r.hint)}"))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
@@ -140,7 +144,6 @@ def write_report(target: Path, text: str) -> None:
     as ``mkstemp`` does), renamed over ``target``, both through a descriptor of the folder
     checked first. A folder writable by another user is refused (:class:`UnsafeTarget`)
     unless it is sticky and owned by the grader's user or root (as /tmp)."""
-    import secrets
     import stat
 
     folder = os.path.dirname(os.path.abspath(target)) or "/"
@@ -152,18 +155,37 @@ def write_report(target: Path, text: str) -> None:
             raise UnsafeTarget(f"refusing to write {target}: its folder {folder} is writable by "
                                f"other users (mode {stat.filemode(st.st_mode)}, owner uid "
                                f"{st.st_uid}); write the report into a folder of your own")
-        name = f".{os.path.basename(target)}.{secrets.token_hex(8)}.tmp"
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644, dir_fd=dfd)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(name, os.path.basename(target), src_dir_fd=dfd, dst_dir_fd=dfd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dfd)
-            raise
+        _replace_in(dfd, os.path.basename(target), text.encode(), 0o644)
     finally:
         os.close(dfd)
+
+
+def replace_file(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` whole or not at all: a fresh file in its folder (mode
+    0o666 less the umask, as ``open`` gives) renamed over it."""
+    dfd = os.open(os.path.dirname(os.path.abspath(target)) or "/",
+                  os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _replace_in(dfd, os.path.basename(target), data, 0o666)
+    finally:
+        os.close(dfd)
+
+
+def _replace_in(dfd: int, name: str, data: bytes, mode: int) -> None:
+    """``data`` under a fresh name in the folder ``dfd`` (O_CREAT|O_EXCL|O_NOFOLLOW),
+    synced, then renamed over ``name``; the fresh file is removed if anything fails."""
+    import secrets
+
+    fresh = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode, dir_fd=dfd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(fresh, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(fresh, dir_fd=dfd)
+        raise

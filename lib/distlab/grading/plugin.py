@@ -34,7 +34,8 @@ def pytest_addoption(parser):
     parser.addoption("--distlab-report-fd", default=None, type=int,
                      help="stream per-test outcomes (JSON lines) to this inherited descriptor")
     parser.addoption("--distlab-untouched", default="",
-                     help="comma-separated exercises to count but not run (not attempted)")
+                     help="comma-separated exercises to count but not run (not attempted, "
+                          "missing, or a cell that does not compile)")
     parser.addoption("--distlab-exercise-timeout", default=EXERCISE_TIMEOUT, type=float,
                      help="seconds for all the tests of one exercise")
 
@@ -78,11 +79,11 @@ def _verdict_of(exc) -> tuple[str, str]:
 
 def refusals(rootdir) -> tuple[str, ...]:
     """The phrases that say a test reached one of the library's answers: the grader's
-    (:data:`distlab.grading.labs.REFUSAL`) and the ``REFUSED`` of any helper module of
+    (:data:`distlab.grading.answers.REFUSAL`) and the ``REFUSED`` of any helper module of
     the exercise tests (under ``rootdir``) that refuses references of its own."""
     import sys
 
-    from distlab.grading.labs import REFUSAL
+    from distlab.grading.answers import REFUSAL
 
     found = [REFUSAL]
     for module in list(sys.modules.values()):

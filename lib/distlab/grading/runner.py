@@ -1,14 +1,20 @@
 """The autograder: extract a notebook's exercises, run their tests, report.
 
     python -m distlab.grading labs/03_ring_allreduce.ipynb [--json report.json]
+    python -m distlab.grading labs --lab 3 --json grade-report.json   # make grade LAB=3
+
+A folder stands for its notebooks; ``--lab`` keeps those of one lab (:func:`lab_named`).
+A usage error (no notebook, no such lab or exercise) exits 2 and writes no report.
 
 The lab is named by the notebook's file name, which must start with a lab's name
 (``03_ring_allreduce.ipynb``, ``03_ring_allreduce-alice.ipynb``); the lab's exercises,
 and so the maximum, come from the kit (the exercise tests that declare that lab, see
 :mod:`distlab.grading.labs`), never from the notebook.
 An exercise whose cell is missing (or lost its nbgrader metadata) scores 0 of its full
-count ("missing"); an exercise cell of another lab is listed as "ignored" and earns
-nothing; a file name that starts with no lab's name is not graded (an error, exit 1).
+count ("missing"); one whose cell does not compile scores 0 of it too ("syntax error",
+with the line and column in the cell; found by the grader, its tests not run); an
+exercise cell of another lab is listed as "ignored" and earns nothing; a file name that
+starts with no lab's name is not graded (an error, exit 1).
 
 Each exercise of the lab is tested by ``exercises/test_<name>.py`` (beside this module,
 so installed with the package) in a contained ``pytest`` process, against a module made
@@ -66,7 +72,8 @@ class Result:
     exercise: str
     points: int
     max_points: int
-    verdict: str   # pass, partial, fail, deadlock, not attempted, missing, error, timeout,
+    verdict: str   # pass, partial, fail, deadlock, not attempted, syntax error (the cell
+    #                does not compile: its tests counted, none run), missing, error, timeout,
     #                out of memory, blocked, ignored (another lab's cell: worth nothing here),
     #                refused (it called the library's answer: 0 points, no hint)
     message: str   # the first failing check, in plain words
@@ -219,8 +226,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     run over the exercises' test files, each exercise's tests limited to ``timeout``
     seconds (reruns for the exercises a stopped run never reached), each graded rank's
     data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
-    is missing scores 0 of its tests; an exercise cell of another lab is reported as
-    ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
+    is missing, or does not compile (:func:`distlab.grading.notebook.compile_problem`),
+    scores 0 of its tests, counted and not run; an exercise cell of another lab is reported
+    as ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
     ``first_failure``: stop at the first failing test (the message a student reads first;
     the tests after it count as not run), as the kit's tests of wrong answers grade.
     ``total``: seconds for the whole notebook; the exercises it leaves count as timed out.
@@ -243,8 +251,12 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     files = {name: tests_dir / f"test_{name}.py" for name in wanted}
     missing = {name for name, f in files.items() if not f.exists()}
     lost = {name for name in wanted if name not in found}  # the cell or its metadata is gone
-    untouched = {name for name in wanted if name in found and notebook.is_untouched(found[name])}
-    counted_only = (untouched | lost) - missing  # collected for the count, never run
+    problems = {name: notebook.compile_problem(name, found[name]) for name in wanted
+                if name in found}
+    broken = {name: problem for name, problem in problems.items() if problem}  # no compile
+    untouched = {name for name in wanted if name in found and name not in broken
+                 and notebook.is_untouched(found[name])}
+    counted_only = (untouched | lost | set(broken)) - missing  # collected for the count, never run
     user, _ = privileges.unprivileged_user()
     runs: dict[str, tuple] = {}  # exercise → (exit status, output, ended) of its run
     records: list[dict] = []
@@ -314,6 +326,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         elif name in lost:
             results.append(Result(name, 0, runnable, "missing", MISSING.format(name=name),
                                   len(mine) - runnable))
+        elif name in broken:
+            results.append(Result(name, 0, runnable, "syntax error", broken[name],
+                                  len(mine) - runnable))
         elif name in untouched:
             results.append(Result(name, 0, runnable, "not attempted",
                                   "the cell still raises NotImplementedError", len(mine) - runnable))
@@ -340,15 +355,90 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     return results
 
 
+USAGE = """python -m distlab.grading grades lab notebooks: it runs the kit's tests of each
+exercise against your answers and prints, per exercise, its points, its verdict and the
+first check that failed.
+
+  make grade              grade every notebook in labs/ (and write grade-report.json)
+  make grade LAB=03       grade one lab (LAB=3, 03 or 03_ring_allreduce)
+
+  python -m distlab.grading labs/03_ring_allreduce.ipynb --json report.json
+
+It takes notebooks, or folders of them (a folder: its *.ipynb)."""
+
+
+def lab_named(text: str, every: dict) -> str:
+    """The lab ``--lab`` names: a lab's name or its number (``3``, ``03``); a ValueError
+    listing the labs (and the likeliest, where one is close) otherwise. ``every``:
+    :func:`distlab.grading.labs.exercises`'s answer."""
+    import difflib
+    import re
+
+    if text in every:
+        return text
+    numbered = {int(m[0]): lab for lab in every for m in [re.match(r"\d+", lab)] if m}
+    if text.isascii() and text.isdigit() and int(text) in numbered:
+        return numbered[int(text)]
+    close = [lab for lab in every if text and text.lower() in lab.lower()] or \
+        difflib.get_close_matches(text, list(every), 1)
+    raise ValueError(f"--lab {text} is not a lab" + (
+        f": did you mean {close[0]}?" if close else ".") + f" The labs: {', '.join(every)} "
+        f"(give a name, or a number: 3, 03 or 03_ring_allreduce)")
+
+
+def _notebooks(paths: list[Path]) -> list[Path]:
+    """``paths`` with each folder replaced by its notebooks (``*.ipynb``, sorted; hidden
+    files left out, as the shell's ``*`` does)."""
+    found = []
+    for path in paths:
+        found += sorted(p for p in path.glob("*.ipynb") if not p.name.startswith(".")) \
+            if path.is_dir() else [path]
+    return found
+
+
+def _selected(given: list[Path], lab: str | None, only: list[str]) -> list[Path]:
+    """The notebooks to grade: ``given``'s (:func:`_notebooks`), those of lab ``lab``
+    (:func:`lab_named`) where it is not None. A ValueError, naming the fix, where that
+    leaves none or ``only`` names an exercise of none of their labs."""
+    from distlab.grading import labs
+
+    every = labs.exercises()
+    paths = _notebooks(given)
+    where = ", ".join(map(str, given))
+    if not paths:
+        raise ValueError(f"no notebook (*.ipynb) in {where}")
+    if lab is not None:
+        lab = lab_named(lab, every)
+        paths = [path for path in paths if labs.lab_of(path, every) == lab]
+        if not paths:
+            raise ValueError(f"no notebook of {lab} in {where} (its notebook is {lab}.ipynb). "
+                             f"The labs: {', '.join(every)}")
+    graded = [every[name] for name in dict.fromkeys(labs.lab_of(p, every) for p in paths) if name]
+    offered = [name for names in graded for name in names]
+    unknown = [name for name in only if name not in offered]
+    if graded and unknown:
+        raise ValueError(f"--exercise {', '.join(unknown)}: no such exercise in the labs "
+                         f"graded; their exercises: {', '.join(offered)}")
+    return paths
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``python -m distlab.grading``; a usage error (exit 2) writes no report."""
     import argparse
 
     from distlab.grading import labs, notebook
     from distlab.runtime import privileges
 
-    parser = argparse.ArgumentParser(prog="python -m distlab.grading",
-                                     description="Grade lab notebooks.")
-    parser.add_argument("notebooks", nargs="+", type=Path)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print(f"{USAGE}\n`python -m distlab.grading --help` lists its options.", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="python -m distlab.grading", description=USAGE,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("notebooks", nargs="+", type=Path,
+                        help="notebooks, or folders whose notebooks are graded")
+    parser.add_argument("--lab", help="grade only the notebooks of this lab (3, 03 or "
+                                      "03_ring_allreduce)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--timeout", type=float, default=EXERCISE_TIMEOUT,
                         help="seconds for the tests of one exercise (default %(default)s)")
@@ -362,12 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.timeout > 0:
         parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    try:
+        paths = _selected(args.notebooks, args.lab, args.exercise or [])
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {shown(exc)}", file=sys.stderr)
+        return 2
     privileges.make_non_dumpable()
     user, why = privileges.unprivileged_user()
     if not user and os.geteuid() == 0:
         print(f"warning: students' code will run as root: {why}", file=sys.stderr)
     report, unreadable = {}, 0
-    for path in args.notebooks:
+    for path in paths:
         results = None
         try:
             notebook.read_submission(path)  # unreadable before unknown, as the user fixes them

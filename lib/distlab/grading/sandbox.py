@@ -294,10 +294,10 @@ def _kit_checkout() -> Path | None:
 def _answer_files(package: Path) -> set[str]:
     """The source files of the modules that hold the library's answers (found by name:
     importing them here would import torch)."""
-    from distlab.grading import labs
+    from distlab.grading import answers
 
     found = set()
-    for name in labs.hidden_modules():
+    for name in answers.hidden_modules():
         base = package.joinpath(*name.split(".")[1:])
         for path in (base.with_suffix(".py"), base / "__init__.py"):
             if path.is_file():
@@ -422,15 +422,15 @@ def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
     folder); the student's ``module`` is the one file of it the ranks see. The fork server
     imports for the ranks what the module's ``imports`` (its import lines) name
     (:func:`preloads`) and what the graded tests' ranks import later (``rank_imports``,
-    :func:`distlab.grading.labs.rank_imports`). {} where :func:`confinement` says it
+    the test files' ``RANK_IMPORTS``). {} where :func:`confinement` says it
     cannot be done here."""
-    from distlab.grading import labs
+    from distlab.grading import answers
     from distlab.runtime import confine
 
     if confinement():
         return {}
     run_as = tuple(int(x) for x in user.split(":")) if user else None
-    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, labs.hidden_modules(),
+    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, answers.hidden_modules(),
                                           [*preloads(list(imports)), *rank_imports]))}
 
 

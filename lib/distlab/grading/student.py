@@ -153,10 +153,10 @@ def _withhold_tables(exercise: str) -> list[str]:
     import inspect
     import types
 
-    from distlab.grading import labs
+    from distlab.grading.answers import ANSWERS
 
     answers: dict[types.ModuleType, set[str]] = {}
-    for reference in labs.ANSWERS.get(exercise, ()):
+    for reference in ANSWERS.get(exercise, ()):
         module_name, name = reference.split(":")
         answers.setdefault(importlib.import_module(module_name), set()).add(name)
     removed = []

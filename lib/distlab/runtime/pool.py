@@ -16,7 +16,8 @@ import time
 from multiprocessing.connection import Connection, wait
 
 from distlab.runtime import plain
-from distlab.runtime.errors import LaunchError, LaunchTimeout, RankCrashed, RankError
+from distlab.runtime.errors import (LaunchError, LaunchTimeout, RankCrashed, RankError,
+                                    exception_line, own_frame)
 from distlab.runtime.forkserver import ForkServerError
 from distlab.runtime.rankproc import (MAX_BUFFERED, SANDBOX_BUFFERED, RankProcess,
                                      create_board, wait_exit)
@@ -303,8 +304,8 @@ class Pool:
         stuck = [r for r in self.ranks if r.rank not in results and r.rank not in errors
                  and r.rank not in exclude and r.alive()]
         where = self._where(stuck)
-        lines = [f"  rank {r}: raised {error_field(errors[r], 'type')}: "
-                 f"{first_line(error_field(errors[r], 'message'))}"
+        lines = [f"  rank {r}: raised " + exception_line(error_field(errors[r], "type"),
+                                                     first_line(error_field(errors[r], "message")))
                  for r in sorted(errors) if r not in exclude]
         lines += [f"  rank {r}: {w}" for r, w in sorted(where.items())]
         lines += [f"  rank {r}: had finished" for r in sorted(results)]
@@ -317,8 +318,9 @@ class Pool:
         shown.show(partial=True, wait_s=0.5)
         self.close(graceful=False)
         etype, message, tb = error_field(e, "type"), error_field(e, "message"), error_field(e, "traceback")
-        lines = [f"rank {rank} raised {etype}: {message}{missing_package_hint(message)}",
-                 "", tb.rstrip()] + others
+        where = own_frame(tb)  # first the error and the caller's line, then the details
+        lines = [f"rank {rank} raised {exception_line(etype, message)}{missing_package_hint(message)}",
+                 *([f"  at {where}"] if where else []), "", tb.rstrip()] + others
         original = None
         if self.sandbox is None and isinstance(e, dict) and isinstance(e.get("exc"), bytes):
             import cloudpickle

@@ -118,9 +118,10 @@ def plot_step_times(sweep: dict, baselines: dict, title: str = "", ax=None):
     return fig
 
 
-def timelines_figure(timelines: dict):
+def timelines_figure(timelines: dict, label_bytes: bool = True):
     """Every timeline of ``timelines`` (label → Timeline), one under the other, on a
-    common time axis: the static picture of :class:`TimelinePicker`."""
+    common time axis (so that a longer step draws longer): the static picture of
+    :class:`TimelinePicker`. ``label_bytes`` as for :func:`plot_timeline`."""
     import matplotlib.pyplot as plt
 
     n = len(timelines)
@@ -128,7 +129,7 @@ def timelines_figure(timelines: dict):
     fig, axes = plt.subplots(n, 1, figsize=(WIDTH_IN, n * (0.9 + 1.1 * ranks)), squeeze=False)
     longest = max(1e3 * t.duration for t in timelines.values())
     for ax, (label, timeline) in zip(axes[:, 0], timelines.items()):
-        plot_timeline(timeline, ax=ax, title=label)
+        plot_timeline(timeline, ax=ax, title=label, label_bytes=label_bytes)
         ax.set_xlim(0, longest * 1.02)
     fig.tight_layout()
     plt.close(fig)

@@ -35,6 +35,7 @@ from distlab.comm import CommLog
 from distlab.grading import expect_close
 
 NOTEBOOK = "05_zero"
+CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
 RANK_IMPORTS = ("torch._dynamo",)  # its ranks import it (a traced grading): the fork server, once
 # the hint to open, by the words of the check that failed (Hint 1: the moments and what
 # runs there; 2: one place for every gradient; 3: freeing under autograd's saved tensors;

@@ -25,6 +25,7 @@ from distlab import launch
 from distlab.comm import CommLog
 
 NOTEBOOK = "09_capstone"
+CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
 # The hint to open beside each test's failure (lab 09, section 2): 1 the order of a step,

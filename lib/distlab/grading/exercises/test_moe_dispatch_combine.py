@@ -27,6 +27,7 @@ from distlab.grading import expect_close, wire
 import lab10_cases
 
 NOTEBOOK = "10_long_context_experts"
+CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
 # the hint to open (1: what each rank must learn; 2: who keeps what; 3: the order of the
 # rows; 4: gradients; 5: the recipe)
 HINTS = {"test_identity_experts_with_weights_one_over_k_give_back_the_input": 1,

@@ -31,6 +31,7 @@ from distlab.grading import expect_close, wire
 import lab10_cases
 
 NOTEBOOK = "10_long_context_experts"
+CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
 # the hint to open (1: the partial softmax; 2: the merge; 3: the mask and the skipped
 # blocks; 4: backward; 5: a ring step)
 HINTS = {"test_an_even_split": 4,

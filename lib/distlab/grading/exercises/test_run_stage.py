@@ -37,6 +37,7 @@ from distlab.model import GPT
 from pp_cases import CFG, LANG, SEQ, sgd
 
 NOTEBOOK = "07_pipeline_parallel"
+CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
 # The hint to open (lab 07, section 4), by the words of the check that failed: 1 what each

@@ -34,6 +34,7 @@ from distlab.grading import expect_close
 from tp_cases import PAIR
 
 NOTEBOOK = "06_tensor_parallel"
+CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
 V, N = 53, 24          # vocabulary (prime: uneven over 2, 3 and 4 ranks), tokens

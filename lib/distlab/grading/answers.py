@@ -1,0 +1,72 @@
+"""The answers' manifest: which library code answers which exercise.
+
+:data:`ANSWERS` maps each exercise to the ``"module:name"`` of every library object that
+answers it (in the labs' order, the order of the grader's report). It is read by the
+refusal in graded ranks (:func:`distlab.grading.labs.disarm`), by the sandbox, which
+leaves the source of every module named here out of the ranks' filesystem
+(:func:`hidden_modules`), and by the tests of the layout. Nothing here imports anything.
+"""
+from __future__ import annotations
+
+_RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ring:ring_all_gather",
+         "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
+_SCHEDULES = ("distlab.reference.pp:gpipe_schedule", "distlab.reference.pp:one_f_one_b_schedule",
+              "distlab.reference.pp:bubble_fraction", "distlab.reference.pp:build_schedule")
+_DP = ("distlab.reference.dp:DataParallel", "distlab.reference.dp:_Bucket",
+       "distlab.reference.dp:OneShotDataParallel", "distlab.reference.dp:allreduce_gradients")
+
+# "module:name" of the library code that answers each exercise. all_reduce_mean has none
+# (the library has no mean all-reduce). bus_factor answers bus_bandwidth: lab 01 asks for
+# the factor itself (later labs may use it freely; only bus_bandwidth's grading refuses it).
+ANSWERS: dict[str, tuple[str, ...]] = {
+    "all_reduce_mean": (),
+    "bus_bandwidth": ("distlab.reference.bandwidth:bus_factor",),
+    "pipelined_broadcast": ("distlab.collectives.broadcast:pipelined_broadcast",),
+    "ps_sgd_step": ("distlab.collectives.ps:ps_sgd_step",),
+    "ring_reduce_scatter": _RING,
+    "ring_all_gather": _RING,
+    "ring_allreduce": _RING,
+    "allreduce_gradients": _DP,
+    "zero_bytes_per_rank": ("distlab.reference.memory:zero_bytes",),
+    "shard_range": ("distlab.reference.shards:shard_range", "distlab.reference.shards:shard_sizes"),
+    "zero2_step": ("distlab.reference.zero:zero2_step", "distlab.reference.zero:adamw_",
+                   "distlab.reference.zero:reduce_scatter_mean",
+                   "distlab.reference.zero:all_gather_shards"),
+    "ZeRO3Unit": ("distlab.reference.fsdp:_Unit",
+                  "distlab.reference.fsdp:FullyShardedDataParallel",
+                  "distlab.reference.zero:FlatParams", "distlab.reference.zero:Layout",
+                  "distlab.reference.zero:reduce_scatter_mean",
+                  "distlab.reference.zero:all_gather_shards"),
+    "ColumnParallelLinear": ("distlab.reference.tp:ColumnParallelLinear",
+                             "distlab.reference.tp:RowParallelLinear"),
+    "RowParallelLinear": ("distlab.reference.tp:ColumnParallelLinear",
+                          "distlab.reference.tp:RowParallelLinear"),
+    # the embedding's forward is the masked lookup and sum the loss needs for the target's logit
+    "vocab_parallel_cross_entropy": ("distlab.reference.tp:vocab_parallel_cross_entropy",
+                                     "distlab.reference.tp:VocabParallelEmbedding"),
+    "gpipe_schedule": _SCHEDULES,
+    "one_f_one_b_schedule": _SCHEDULES,
+    "bubble_fraction": _SCHEDULES,
+    "run_stage": ("distlab.reference.pp:PipelineRunner", "distlab.reference.pp:sum_tied_gradients",
+                  "distlab.pp.p2p:StageLink"),
+    "BucketedDDP": _DP,
+    "mesh_groups": ("distlab.reference.mesh:Grid", "distlab.reference.mesh:Mesh"),
+    "distributed_train_step": ("distlab.reference.train:Trainer", "distlab.reference.train:build",
+                               "distlab.reference.train:train", "distlab.reference.train:_Bucket",
+                               "distlab.reference.train:_Shards", "distlab.reference.zero:reduce_grads"),
+    "ring_attention": ("distlab.cp._reference:ring_attention",
+                       "distlab.cp._reference:_RingAttention"),
+    # kept() is the contract's drop rule, combine_local the one-process layer's sum
+    "moe_dispatch_combine": ("distlab.moe._reference:moe_dispatch_combine",
+                             "distlab.moe._reference:kept", "distlab.moe._reference:combine_local"),
+    # lab 10: the casts (re-exported by distlab.fp8) are the exercise's own few lines
+    "fp8_linear": tuple(f"distlab.reference.fp8:{n}" for n in (
+        "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),
+}
+
+REFUSAL = "this is the library's answer to the exercise being graded"
+
+
+def hidden_modules() -> list[str]:
+    """Every module named in :data:`ANSWERS`: imported, then hidden, in graded ranks."""
+    return sorted({ref.split(":")[0] for refs in ANSWERS.values() for ref in refs})
