@@ -56,6 +56,9 @@ $(STAMP): pyproject.toml
 	  -e "$(EXTRAS_SPEC)" $(DEPS_INDEX)) || $(PY) -m pip install --quiet -e "$(EXTRAS_SPEC)" $(DEPS_INDEX)
 	@# nbgrader ([dev], for the instructors' tests) stays out of the students' JupyterLab
 	-$(PY) tools/quiet-nbgrader.py >/dev/null 2>&1
+	@# the kit's bytecode, once: where PYTHONDONTWRITEBYTECODE is set (as on some CI
+	@# machines) every interpreter would otherwise compile what it imports of lib/distlab
+	-$(PY) -m compileall -q lib/distlab >/dev/null
 	touch $(STAMP)
 
 setup: $(STAMP) ## create .venv and install the kit (CPU torch where there is no GPU)

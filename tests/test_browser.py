@@ -82,7 +82,9 @@ def lab(tmp_path_factory):
     notebooks = [SOLUTIONS / n for n in (SETUP, RING) if (SOLUTIONS / n).exists()]
     notebooks.append(browser_support.widget_notebook(tmp_path_factory.mktemp("widgets") / WIDGETS))
     root = tmp_path_factory.mktemp("jupyterlab")
-    with browser_support.JupyterLab(notebooks, root, ARTIFACTS / "jupyterlab.log") as server:
+    # started by `make lab`, as a student starts it (as root in CI and containers)
+    with browser_support.JupyterLab(notebooks, root, ARTIFACTS / "jupyterlab.log",
+                                    make_lab=True) as server:
         yield server
 
 

@@ -7,7 +7,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from distlab.grading import notebook, runner
+from distlab.grading import labs, notebook, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,3 +233,11 @@ def imported_without():
 @pytest.mark.parametrize("lab", WITHOUT)
 def test_the_exercise_modules_import_without_widgets(lab, imported_without):
     assert imported_without[lab] == f"{lab} imports", imported_without[lab]
+
+
+def test_each_lab_and_the_readme_list_the_graders_exercises_and_points():
+    """What `make labs` writes from the grader's own list is what they hold: no exercise
+    left out (lab 10's fp8_linear once was), no point count drifted."""
+    stale = labs.render(ROOT / "solutions", ROOT / "README.md", write=False)  # ~8 CPU-s
+    assert not stale, (f"{stale} do not list the grader's exercises and points: run "
+                       f"`make labs` (python -m distlab.grading.labs render)")

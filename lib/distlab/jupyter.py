@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,14 +76,21 @@ def write_overrides(prefix: Path = Path(sys.prefix)) -> Path | None:
 
 def kernel_metadata() -> dict:
     """The notebook metadata JupyterLab writes on opening a notebook with this
-    environment's ``python3`` kernel."""
-    from ipykernel.ipkernel import IPythonKernel
+    environment's ``python3`` kernel. The kernel's language_info is read in a child
+    process: importing ipykernel here would make this process pass for a notebook kernel
+    (tqdm.auto, for one, then draws widgets)."""
     from jupyter_client.kernelspec import KernelSpecManager
 
     spec = KernelSpecManager().get_kernel_spec("python3")
+    info = subprocess.run([sys.executable, "-c", _LANGUAGE_INFO], capture_output=True,
+                          text=True, check=True, timeout=60).stdout
     return {"kernelspec": {"display_name": spec.display_name, "language": spec.language,
                            "name": "python3"},
-            "language_info": dict(IPythonKernel.language_info)}
+            "language_info": json.loads(info)}
+
+
+_LANGUAGE_INFO = ("import json; from ipykernel.ipkernel import IPythonKernel; "
+                  "print(json.dumps(IPythonKernel.language_info))")
 
 
 def match_kernel(folder: Path) -> list[Path]:
