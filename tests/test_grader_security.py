@@ -32,7 +32,7 @@ import pytest
 
 from pid_guard import SITECUSTOMIZE as _GUARD
 
-from distlab.grading import labs, notebook, runner, sandbox, student
+from distlab.grading import labs, notebook, output, runner, sandbox, student
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only a root grader changes user")
@@ -591,7 +591,7 @@ def test_a_rank_past_its_memory_is_reported_out_of_memory(tmp_path):
 
 def test_control_characters_never_reach_the_terminal_raw():
     nasty = "wrong\x1b[2J\x1b[H\rtotal: 99/99\u202e\x07"
-    shown = runner.table([runner.Result("zero2_step", 0, 20, "fail", nasty)],
+    shown = output.table([runner.Result("zero2_step", 0, 20, "fail", nasty)],
                          title="\nlabs/05_zero\x1b]0;owned\x07.ipynb")
     assert not any(ch in shown for ch in "\x1b\r\x07\u202e"), repr(shown)
     assert "\\x1b[2J" in shown and shown.endswith("total: 0/20")

@@ -12,8 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab.grading import runner
-from distlab.grading import notebook
+from distlab.grading import cli, notebook, output, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,13 +85,13 @@ def test_a_cell_that_does_not_compile_is_its_own_verdict_beside_the_others(tmp_p
     assert syntax.message.startswith(
         f"line {line}, column {column} of your gpipe_schedule cell: "), syntax.message
     assert syntax.message.count("line ") == 1 and "raise SyntaxError" not in syntax.message
-    table = runner.table([syntax]).splitlines()
+    table = output.table([syntax]).splitlines()
     code, caret = table[3], table[4]  # under the header and the row: the line, the caret
     assert code.strip() == "x = (1," and code[caret.index("^")] == "(", "\n".join(table)
 
 
 def test_no_arguments_says_how_to_grade(capsys):
-    assert runner.main([]) == 2
+    assert cli.main([]) == 2
     said = capsys.readouterr().err
     assert "make grade LAB=03" in said and "python -m distlab.grading labs/" in said, said
 
@@ -101,7 +100,7 @@ def test_no_arguments_says_how_to_grade(capsys):
 def test_a_lab_is_named_by_its_name_or_its_number(given):
     from distlab.grading import labs
 
-    assert runner.lab_named(given, labs.exercises()) == "03_ring_allreduce"
+    assert cli.lab_named(given, labs.exercises()) == "03_ring_allreduce"
 
 
 @pytest.mark.parametrize("args, says", [
@@ -115,7 +114,7 @@ def test_a_usage_error_exits_2_and_keeps_the_report(tmp_path, monkeypatch, capsy
     report = tmp_path / "report.json"
     report.write_text("the last report")
     argv = args if any(a.startswith(("labs", "docs")) for a in args) else ["labs", *args]
-    assert runner.main([*argv, "--json", str(report)]) == 2
+    assert cli.main([*argv, "--json", str(report)]) == 2
     assert says in capsys.readouterr().err
     assert report.read_text() == "the last report"
 
@@ -184,7 +183,7 @@ def test_the_hint_to_open_comes_from_the_kits_test_and_the_notebooks_titles(tmp_
     assert hints.pointer(declared, hints.titles(_hinted_notebook(), "other"),
                          "test_ex.py::test_shards", "other") == ""  # no hints, no pointer
     nasty = hints.titles(_hinted_notebook("\x1b[2Jtotal: 99/99"), "ex")
-    shown = runner.table([runner.Result("ex", 0, 1, "fail", "test_shards: wrong", hint=hints.pointer(
+    shown = output.table([runner.Result("ex", 0, 1, "fail", "test_shards: wrong", hint=hints.pointer(
         declared, nasty, "test_ex.py::test_shards", "ex"))])
     assert "\u2192 open Hint 2 (\\x1b[2Jtotal: 99/99) under ex" in shown, shown
     assert "\x1b" not in shown
@@ -197,7 +196,7 @@ def test_self_reported_points_are_counted_and_say_why(monkeypatch):
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert output.traffic_evidence().startswith("self-reported: the grader is not root")
-    shown = runner.table([runner.Result("zero2_step", 17, 20, "partial", "x", self_reported=3),
+    shown = output.table([runner.Result("zero2_step", 17, 20, "partial", "x", self_reported=3),
                           runner.Result("shard_range", 8, 8, "pass", "")])
     assert "17/20 (3 self-reported)" in shown and "8/8 " in shown, shown
     assert shown.splitlines()[-1] == (
@@ -205,7 +204,7 @@ def test_self_reported_points_are_counted_and_say_why(monkeypatch):
         "(CommLog), which their code could forge; the grader is not root, so the ranks get "
         "no network of their own")
     monkeypatch.setattr(output, "traffic_evidence", lambda: "wire: bytes counted on a loopback")
-    shown = runner.table([runner.Result("ring_attention", 21, 21, "pass", "", blocked=1,
+    shown = output.table([runner.Result("ring_attention", 21, 21, "pass", "", blocked=1,
                                         self_reported=4)])
     assert "21/21 (+1 blocked) (4 self-reported)" in shown, shown
     assert shown.splitlines()[-2:] == [

@@ -2,7 +2,7 @@
 :mod:`distlab.grading`, ``python -m distlab.grading``)."""
 import sys
 
-from distlab.grading.runner import main
+from distlab.grading.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

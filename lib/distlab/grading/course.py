@@ -25,16 +25,21 @@ sandboxed processes, and writes the scores into nbgrader's gradebook:
     python -m distlab.grading.course COURSE_DIR --grade NN_name   # after nbgrader collect
 
 (:func:`grade_submissions`; each autograder cell's grade gets the contained grader's
-score as its manual score, which nbgrader's total uses over any auto score.)
+score as its manual score, which nbgrader's total uses over any auto score.) With
+``--hidden-tests DIR`` the instructor's own tests (:func:`distlab.grading.hidden.hidden_tests`)
+run too: each cell keeps its points, and scores the share of all its exercise's tests
+run, the kit's and the hidden ones, that passed.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import nbformat
 
-from distlab.grading import labs, notebook, runner
+from distlab.grading import labs, notebook, output, runner
+from distlab.grading.hidden import hidden_tests as instructors_tests
 
 SOLUTIONS = Path(__file__).resolve().parents[3] / "solutions"  # in a checkout of the kit
 CONFIG = '''\
@@ -104,14 +109,15 @@ def autograde(notebook_file: str, name: str, points: int) -> float:
     """The autograder cell's work: grade exercise ``name`` of the notebook file with the
     kit's grader, print its verdict, and return the score out of ``points``."""
     [result] = runner.grade(Path(notebook_file), only=[name])
-    print(runner.table([result]))
+    print(output.table([result]))
     if not result.max_points:
         return 0.0
     return round(points * result.points / result.max_points, 3)
 
 
 def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
-                      students: list[str] | None = None) -> dict[str, dict[str, float]]:
+                      students: list[str] | None = None,
+                      hidden_tests: Path | None = None) -> dict[str, dict[str, float]]:
     """Grade every submission of ``assignment`` in nbgrader's course ``course``
     (``submitted/STUDENT/ASSIGNMENT/*.ipynb``) with the kit's contained grader
     (:func:`distlab.grading.runner.grade`, which never runs the student's code in this
@@ -119,12 +125,15 @@ def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
     the course's ``gradebook.db``): the grade of its autograder cell ``NAME_tests`` gets
     the score as its manual score, scaled to the cell's points. Returns student →
     "notebook/cell" → score. The assignment must be in the gradebook
-    (``nbgrader generate_assignment``)."""
+    (``nbgrader generate_assignment``). ``hidden_tests``: a folder of the instructor's
+    own tests for the assignment's lab, counted with the kit's (a ValueError naming the
+    fix for a file that is not one)."""
     from nbgrader.api import Gradebook, MissingEntry
 
     db_url = db_url or f"sqlite:///{Path(course).resolve() / 'gradebook.db'}"
     scores: dict[str, dict[str, float]] = {}
-    with Gradebook(db_url) as gb:
+    with (instructors_tests(hidden_tests, {assignment}) if hidden_tests else
+          contextlib.nullcontext()) as hidden, Gradebook(db_url) as gb:
         gb.find_assignment(assignment)  # MissingEntry: generate the assignment first
         folder = Path(course) / "submitted"
         for student_dir in sorted(p for p in folder.glob("*") if p.is_dir()):
@@ -140,7 +149,7 @@ def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
             except MissingEntry:
                 gb.add_submission(assignment, student)
             for path in paths:
-                for result in runner.grade(path):
+                for result in runner.grade(path, hidden=hidden):
                     try:
                         grade = gb.find_grade(f"{result.exercise}_tests", path.stem, assignment,
                                               student)
@@ -164,9 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grade", metavar="ASSIGNMENT",
                         help="instead: grade the collected submissions of ASSIGNMENT with "
                              "the contained grader and write the scores into the gradebook")
+    parser.add_argument("--hidden-tests", type=Path, metavar="DIR",
+                        help="with --grade: the instructor's own test files for the "
+                             "assignment's lab, counted with the kit's")
     args = parser.parse_args(argv)
+    if args.hidden_tests and not args.grade:
+        parser.error("--hidden-tests goes with --grade ASSIGNMENT")
     if args.grade:
-        for student, got in grade_submissions(args.course, args.grade).items():
+        try:
+            graded = grade_submissions(args.course, args.grade, hidden_tests=args.hidden_tests)
+        except ValueError as exc:
+            parser.error(str(exc))
+        for student, got in graded.items():
             print(f"{student}: " + ", ".join(f"{k} {v:g}" for k, v in got.items()))
         return 0
     try:

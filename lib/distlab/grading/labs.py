@@ -41,7 +41,7 @@ def exercises(tests_dir: Path = TESTS) -> dict[str, tuple[str, ...]]:
     order = {name: i for i, name in enumerate(ANSWERS)}
     found: dict[str, list[str]] = {}
     for test in sorted(Path(tests_dir).glob("test_*.py")):
-        lab = _test_notebook(test)
+        lab = declared_lab(test)
         if lab:
             found.setdefault(lab, []).append(test.stem.removeprefix("test_"))
     return {lab: tuple(sorted(names, key=lambda n: (order.get(n, len(order)), n)))
@@ -146,7 +146,7 @@ def _declared(test_file: Path, name: str):
     return None
 
 
-def _test_notebook(test_file: Path) -> str | None:
+def declared_lab(test_file: Path) -> str | None:
     """The ``NOTEBOOK = "..."`` a test file declares."""
     lab = _declared(test_file, "NOTEBOOK")
     return lab if isinstance(lab, str) else None

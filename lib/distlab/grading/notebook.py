@@ -45,33 +45,53 @@ class SubmissionError(ValueError):
     """A submitted notebook the grader refuses to read; the message names the fix."""
 
 
-def read_submission(path: Path, max_mb: float = MAX_NOTEBOOK_MB):
-    """The notebook at ``path``, read by a grader that may be root: the file itself (a
-    link is refused, O_NOFOLLOW), a regular file with no other name (no hard link), at
-    most ``max_mb`` MiB, checked before anything is parsed. :class:`SubmissionError`
-    otherwise; its message never quotes the file's content."""
+class Unreadable(ValueError):
+    """What :func:`read_plain` refused: ``why`` is "link", "missing", "unopenable",
+    "not regular", "other names" or "too large"; ``detail`` the system's words."""
+
+    def __init__(self, why: str, detail: str = ""):
+        super().__init__(why)
+        self.why, self.detail = why, detail
+
+
+def read_plain(name, limit: int, dir_fd: int | None = None) -> bytes:
+    """The bytes of file ``name`` (in the folder ``dir_fd`` if given), read by a grader
+    that may be root: the file itself (a link is refused, O_NOFOLLOW), a regular file with
+    no other name (no hard link), at most ``limit`` bytes. :class:`Unreadable` otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SubmissionError(f"{path} is a symbolic link: submit the notebook file "
-                                  f"itself") from None
-        if exc.errno == errno.ENOENT:
-            raise SubmissionError(f"{path} does not exist") from None
-        raise SubmissionError(f"{path} cannot be opened ({exc.strerror})") from None
+        raise Unreadable({errno.ELOOP: "link", errno.ENOENT: "missing"}.get(
+            exc.errno, "unopenable"), exc.strerror or "") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise SubmissionError(f"{path} is not a regular file: submit the notebook file")
+            raise Unreadable("not regular")
         if st.st_nlink > 1:
-            raise SubmissionError(f"{path} has other names (hard links): submit a copy of "
-                                  f"the notebook")
-        limit = int(max_mb * 2**20)
+            raise Unreadable("other names")
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise SubmissionError(f"{path} is larger than {max_mb:g} MiB, more than a lab "
-                              f"notebook can be: clear its outputs (Edit > Clear Outputs "
-                              f"of All Cells), save, and submit it again")
+        raise Unreadable("too large")
+    return data
+
+
+def read_submission(path: Path, max_mb: float = MAX_NOTEBOOK_MB):
+    """The notebook at ``path``, read by :func:`read_plain` (no link, no hard link, at
+    most ``max_mb`` MiB), checked before anything is parsed. :class:`SubmissionError`
+    otherwise; its message never quotes the file's content."""
+    try:
+        data = read_plain(path, int(max_mb * 2**20))
+    except Unreadable as exc:
+        raise SubmissionError(f"{path} " + {
+            "link": "is a symbolic link: submit the notebook file itself",
+            "missing": "does not exist",
+            "unopenable": f"cannot be opened ({exc.detail})",
+            "not regular": "is not a regular file: submit the notebook file",
+            "other names": "has other names (hard links): submit a copy of the notebook",
+            "too large": f"is larger than {max_mb:g} MiB, more than a lab notebook can be: "
+                         f"clear its outputs (Edit > Clear Outputs of All Cells), save, and "
+                         f"submit it again"}[exc.why]) from None
     import nbformat  # here, not at the top: the grader's pytest, which imports this module's
     #                  helpers, never reads a notebook (nbformat's schema checks cost ~1.3 s)
 

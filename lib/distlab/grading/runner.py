@@ -49,6 +49,10 @@ the ranks returned are counted as "self-reported" (:mod:`distlab.grading.wire`).
 
 The pytest process loads :mod:`distlab.grading.plugin`, which streams each test's
 outcome and its first failing check in plain words back through a pipe.
+
+Hidden tests: ``--hidden-tests DIR`` adds an instructor's own test files to the kit's
+(:mod:`distlab.grading.hidden`), one point per test of the exercise they name; graded ranks never
+see them.
 """
 from __future__ import annotations
 
@@ -61,7 +65,7 @@ import threading
 import time
 from pathlib import Path
 
-from distlab.grading.output import shown, table, traffic_evidence, write_report
+from distlab.grading.hidden import HiddenTests
 from distlab.grading.plugin import EXERCISE_TIMEOUT
 
 TESTS = Path(__file__).resolve().parent / "exercises"  # installed with the package
@@ -219,7 +223,8 @@ NOTEBOOK_TIMEOUT = 4 * EXERCISE_TIMEOUT  # seconds for all the exercises of one 
 
 def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT,
           only: list[str] | None = None, memory_mb: int | None = None,
-          first_failure: bool = False, total: float = NOTEBOOK_TIMEOUT) -> list[Result]:
+          first_failure: bool = False, total: float = NOTEBOOK_TIMEOUT,
+          hidden: HiddenTests | None = None) -> list[Result]:
     """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
     the file name, its exercises by the tests of ``tests_dir`` that declare it,
     :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest
@@ -232,11 +237,16 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     ``first_failure``: stop at the first failing test (the message a student reads first;
     the tests after it count as not run), as the kit's tests of wrong answers grade.
     ``total``: seconds for the whole notebook; the exercises it leaves count as timed out.
+    ``hidden``: an instructor's tests (:func:`distlab.grading.hidden.hidden_tests`), run with the kit's (from its
+    copy of them) and counted as theirs.
     The notebook is read by :func:`distlab.grading.notebook.read_submission` (raises
     its SubmissionError)."""
     from distlab.grading import hints, labs, notebook, sandbox
     from distlab.runtime import privileges
 
+    if hidden:
+        tests_dir = hidden.tests_dir
+    extra = hidden.files if hidden else {}
     every = labs.exercises(tests_dir)
     lab = labs.lab_of(path, every)
     if lab is None:
@@ -277,10 +287,12 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
         env.update(sandbox.rank_sandbox(Path(tmp), module, user, notebook.imports(nb), sorted(
-            {m for name in to_run for m in labs.rank_imports(files[name])})))
+            {m for name in to_run for f in (files[name], *extra.get(name, ()))
+             for m in labs.rank_imports(f)}), hidden.unseen if hidden else ()))
         first = True
         while first or to_run:
-            files_now = [files[n] for n in wanted if n in to_run or (first and n in counted_only)]
+            files_now = [f for n in wanted if n in to_run or (first and n in counted_only)
+                         for f in (files[n], *extra.get(n, ()))]
             if not files_now or time.monotonic() >= deadline:
                 break
             start = time.monotonic()
@@ -345,153 +357,12 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                      for c in mine]
             results.append(_summarise(name, tests, seconds / max(attempted, 1)))
             if results[-1].failed_test:
-                results[-1].hint = hints.pointer(hints.declared(files[name]), hints.titles(
-                    nb, name), results[-1].failed_test, name, results[-1].message)
+                declared = hints.declared(tests_dir / results[-1].failed_test.split("::")[0])
+                results[-1].hint = hints.pointer(declared, hints.titles(nb, name),
+                                                 results[-1].failed_test, name, results[-1].message)
     for name in foreign:
         owner = next((other for other, names in every.items() if name in names), None)
         results.append(Result(name, 0, 0, "ignored", (
             f"not an exercise of {lab}" + (f" (it belongs to {owner})" if owner else "") +
             ": ignored, it earns nothing here")))
     return results
-
-
-USAGE = """python -m distlab.grading grades lab notebooks: it runs the kit's tests of each
-exercise against your answers and prints, per exercise, its points, its verdict and the
-first check that failed.
-
-  make grade              grade every notebook in labs/ (and write grade-report.json)
-  make grade LAB=03       grade one lab (LAB=3, 03 or 03_ring_allreduce)
-
-  python -m distlab.grading labs/03_ring_allreduce.ipynb --json report.json
-
-It takes notebooks, or folders of them (a folder: its *.ipynb)."""
-
-
-def lab_named(text: str, every: dict) -> str:
-    """The lab ``--lab`` names: a lab's name or its number (``3``, ``03``); a ValueError
-    listing the labs (and the likeliest, where one is close) otherwise. ``every``:
-    :func:`distlab.grading.labs.exercises`'s answer."""
-    import difflib
-    import re
-
-    if text in every:
-        return text
-    numbered = {int(m[0]): lab for lab in every for m in [re.match(r"\d+", lab)] if m}
-    if text.isascii() and text.isdigit() and int(text) in numbered:
-        return numbered[int(text)]
-    close = [lab for lab in every if text and text.lower() in lab.lower()] or \
-        difflib.get_close_matches(text, list(every), 1)
-    raise ValueError(f"--lab {text} is not a lab" + (
-        f": did you mean {close[0]}?" if close else ".") + f" The labs: {', '.join(every)} "
-        f"(give a name, or a number: 3, 03 or 03_ring_allreduce)")
-
-
-def _notebooks(paths: list[Path]) -> list[Path]:
-    """``paths`` with each folder replaced by its notebooks (``*.ipynb``, sorted; hidden
-    files left out, as the shell's ``*`` does)."""
-    found = []
-    for path in paths:
-        found += sorted(p for p in path.glob("*.ipynb") if not p.name.startswith(".")) \
-            if path.is_dir() else [path]
-    return found
-
-
-def _selected(given: list[Path], lab: str | None, only: list[str]) -> list[Path]:
-    """The notebooks to grade: ``given``'s (:func:`_notebooks`), those of lab ``lab``
-    (:func:`lab_named`) where it is not None. A ValueError, naming the fix, where that
-    leaves none or ``only`` names an exercise of none of their labs."""
-    from distlab.grading import labs
-
-    every = labs.exercises()
-    paths = _notebooks(given)
-    where = ", ".join(map(str, given))
-    if not paths:
-        raise ValueError(f"no notebook (*.ipynb) in {where}")
-    if lab is not None:
-        lab = lab_named(lab, every)
-        paths = [path for path in paths if labs.lab_of(path, every) == lab]
-        if not paths:
-            raise ValueError(f"no notebook of {lab} in {where} (its notebook is {lab}.ipynb). "
-                             f"The labs: {', '.join(every)}")
-    graded = [every[name] for name in dict.fromkeys(labs.lab_of(p, every) for p in paths) if name]
-    offered = [name for names in graded for name in names]
-    unknown = [name for name in only if name not in offered]
-    if graded and unknown:
-        raise ValueError(f"--exercise {', '.join(unknown)}: no such exercise in the labs "
-                         f"graded; their exercises: {', '.join(offered)}")
-    return paths
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m distlab.grading``; a usage error (exit 2) writes no report."""
-    import argparse
-
-    from distlab.grading import labs, notebook
-    from distlab.runtime import privileges
-
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        print(f"{USAGE}\n`python -m distlab.grading --help` lists its options.", file=sys.stderr)
-        return 2
-    parser = argparse.ArgumentParser(prog="python -m distlab.grading", description=USAGE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("notebooks", nargs="+", type=Path,
-                        help="notebooks, or folders whose notebooks are graded")
-    parser.add_argument("--lab", help="grade only the notebooks of this lab (3, 03 or "
-                                      "03_ring_allreduce)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    parser.add_argument("--timeout", type=float, default=EXERCISE_TIMEOUT,
-                        help="seconds for the tests of one exercise (default %(default)s)")
-    parser.add_argument("--notebook-timeout", type=float, default=NOTEBOOK_TIMEOUT,
-                        help="seconds for all the exercises of one notebook (default "
-                             "%(default)s); those left count as timed out")
-    parser.add_argument("--exercise", action="append", help="grade only this exercise")
-    parser.add_argument("--memory", type=int, default=None,
-                        help="MiB of data each graded rank may allocate (default: an eighth of "
-                             "this machine's memory, at least 2048)")
-    args = parser.parse_args(argv)
-    if not args.timeout > 0:
-        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    try:
-        paths = _selected(args.notebooks, args.lab, args.exercise or [])
-    except ValueError as exc:
-        print(f"{parser.prog}: error: {shown(exc)}", file=sys.stderr)
-        return 2
-    privileges.make_non_dumpable()
-    user, why = privileges.unprivileged_user()
-    if not user and os.geteuid() == 0:
-        print(f"warning: students' code will run as root: {why}", file=sys.stderr)
-    report, unreadable = {}, 0
-    for path in paths:
-        results = None
-        try:
-            notebook.read_submission(path)  # unreadable before unknown, as the user fixes them
-            if labs.lab_of(path) is None:
-                problem = labs.unknown_lab_message(path)
-            else:
-                results = grade(path, timeout=args.timeout, only=args.exercise,
-                                memory_mb=args.memory, total=args.notebook_timeout)
-        except notebook.SubmissionError as exc:
-            problem = str(exc)
-        except Exception as exc:  # noqa: BLE001 — one notebook never stops the batch
-            problem = (f"grading this notebook failed ({type(exc).__name__}: "
-                       f"{str(exc)[:300]}); the others were graded")
-        if results is None:
-            print(f"\n{shown(path)}\nerror: {shown(problem)}", flush=True)
-            report[str(path)] = {"error": problem}
-            unreadable += 1
-            continue
-        print(table(results, title=f"\n{path}"), flush=True)
-        report[str(path)] = {r.exercise: {"points": r.points, "max": r.max_points,
-                                          "verdict": r.verdict, "message": r.message,
-                                          "blocked": r.blocked, "hint": r.hint,
-                                          "self_reported": r.self_reported,
-                                          "traffic": traffic_evidence()} for r in results}
-    if args.json:
-        try:
-            write_report(args.json, json.dumps(report, indent=2))  # whole or not at all
-        except OSError as exc:
-            print(f"\nerror: {shown(exc)}", file=sys.stderr)
-            return 2
-        print(f"\nwrote {shown(args.json)}")
-    return 1 if unreadable else 0

@@ -31,7 +31,8 @@ to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
    site-packages and a copy of the package without ``grading/exercises`` and the answer
    modules (nor their bytecode), the student's module and the pool's folder; the rest of
    the kit's checkout (``solutions/``, ``tests/``, ``.git``, other checkouts beside it)
-   is not there. The launcher sends sandboxed ranks no test source for tracebacks. The
+   is not there, nor an instructor's hidden tests and the grader's copy of them
+   (:mod:`distlab.grading.hidden`). The launcher sends sandboxed ranks no test source for tracebacks. The
    fork server imports, as the grader and before it forks a rank, only what the kit
    names: the answer modules, the exercise tests' ``RANK_IMPORTS`` and the modules of the
    kit and its dependencies that the student's import lines name (:func:`preloads`),
@@ -349,8 +350,15 @@ def _readable_paths(kit: Path | None) -> list[str]:
     return found
 
 
+def readable_by_ranks(folder: str) -> str | None:
+    """The folder a graded rank reads (:func:`_readable_paths`) that holds ``folder`` (a
+    real path), or None: a folder to keep from the ranks must not be inside one."""
+    return next((path for path in _readable_paths(_kit_checkout())
+                 if os.path.commonpath([path, folder]) == path), None)
+
+
 def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str],
-          preload: list[str] = ()) -> dict:
+          preload: list[str] = (), unseen: list[str] = ()) -> dict:
     import distlab
 
     from distlab.runtime import confine
@@ -360,7 +368,8 @@ def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str],
     root.mkdir(mode=0o755)
     sp = confine.spec(package=str(Path(distlab.__file__).resolve().parent),
                       package_view=str(_package_view(tmp / "view" / "distlab")),
-                      readable=_readable_paths(kit), hidden_roots=[str(kit)] if kit else [],
+                      readable=_readable_paths(kit),
+                      hidden_roots=([str(kit)] if kit else []) + list(unseen),
                       new_root=str(root), files=files, tmpfs_mb=TMPFS_MB,
                       processes=PROCESSES, modules=modules, preload=preload)
     if run_as:
@@ -416,14 +425,15 @@ def preloads(import_lines: list[str]) -> list[str]:
 
 
 def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
-                 rank_imports: list[str] = ()) -> dict:
+                 rank_imports: list[str] = (), unseen: list[str] = ()) -> dict:
     """The environment that confines every graded rank of a grading run
     (:mod:`distlab.runtime.confine`): the rank's root is built from ``tmp`` (the run's own
     folder); the student's ``module`` is the one file of it the ranks see. The fork server
     imports for the ranks what the module's ``imports`` (its import lines) name
     (:func:`preloads`) and what the graded tests' ranks import later (``rank_imports``,
-    the test files' ``RANK_IMPORTS``). {} where :func:`confinement` says it
-    cannot be done here."""
+    the test files' ``RANK_IMPORTS``). The folders ``unseen`` (real paths, none inside a
+    folder the ranks read: :func:`readable_by_ranks`) are absent from the rank's root,
+    as the kit's checkout is. {} where :func:`confinement` says it cannot be done here."""
     from distlab.grading import answers
     from distlab.runtime import confine
 
@@ -431,7 +441,7 @@ def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
         return {}
     run_as = tuple(int(x) for x in user.split(":")) if user else None
     return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, answers.hidden_modules(),
-                                          [*preloads(list(imports)), *rank_imports]))}
+                                          [*preloads(list(imports)), *rank_imports], unseen))}
 
 
 def _init(cmd: list[str]) -> int:
