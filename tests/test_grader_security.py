@@ -252,6 +252,30 @@ def test_subclassing_the_librarys_answer_scores_zero(tmp_path):
     assert "this is the library's answer to the exercise being graded" in r["message"], r
 
 
+_UNWRAPPED = {  # the library's ps_sgd_step is decorated: reach the function it wraps
+    "__wrapped__": (
+        "import torch\nimport distlab.collectives.ps\n\n"
+        "ps_sgd_step = torch.no_grad()(distlab.collectives.ps.ps_sgd_step.__wrapped__)\n"),
+    "closure": (
+        "import torch\nimport distlab.collectives.ps\n\n"
+        "_inner = next(c.cell_contents for c in distlab.collectives.ps.ps_sgd_step.__closure__\n"
+        "              if callable(c.cell_contents) and 'ps_sgd_step' in\n"
+        "              getattr(c.cell_contents, '__qualname__', ''))\n"
+        "ps_sgd_step = torch.no_grad()(_inner)\n"),
+}
+
+
+@pytest.mark.parametrize("route", sorted(_UNWRAPPED))
+def test_an_answer_reached_through_its_decorator_scores_zero(tmp_path, route):
+    """A decorator keeps the function it wraps (``__wrapped__``, and the wrapper's
+    closure): the refusal reaches it too, whichever way a cell digs it out."""
+    path = _notebook(tmp_path, "02_parameter_server", {"ps_sgd_step": _UNWRAPPED[route]})
+    results, _ = _grade(tmp_path, path)
+    r = results["ps_sgd_step"]
+    assert (r["points"], r["verdict"]) == (0, "refused"), r
+    assert r["max_points"] >= 7 and r["message"].startswith(labs.REFUSAL), r
+
+
 _PROBE = '''
 import glob as _glob, os as _os, subprocess as _subprocess, sys as _sys
 

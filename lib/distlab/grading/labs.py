@@ -85,10 +85,25 @@ def _refusing_code(code: types.CodeType, what: str) -> types.CodeType:
 
 
 def _disarm_function(fn, what: str) -> None:
-    if isinstance(fn, types.FunctionType) and "refused" not in fn.__dict__:
-        fn.__code__ = _refusing_code(fn.__code__, what)
-        fn.__defaults__ = fn.__kwdefaults__ = None
-        fn.__dict__["refused"] = True
+    """``fn`` refuses, and so does every function it wraps: a decorator's wrapper keeps
+    the original in ``__wrapped__`` and in its closure (``torch.no_grad()``'s does), where
+    a cell could dig it out; the closure's functions of ``fn``'s own module refuse too."""
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        if not isinstance(f, types.FunctionType) or "refused" in f.__dict__:
+            continue
+        todo.append(f.__dict__.get("__wrapped__"))
+        for cell in f.__closure__ or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(inner, types.FunctionType) and inner.__module__ == fn.__module__:
+                todo.append(inner)
+        f.__code__ = _refusing_code(f.__code__, what)
+        f.__defaults__ = f.__kwdefaults__ = None
+        f.__dict__["refused"] = True
 
 
 def _disarm_class(cls: type, what: str) -> None:
