@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from distlab.grading.output import replace_file
+
 PORT = 8888
 # JupyterLab's settings that the kit sets for every user of this environment
 OVERRIDES = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false",
@@ -96,8 +98,9 @@ _LANGUAGE_INFO = ("import json; from ipykernel.ipkernel import IPythonKernel; "
 def match_kernel(folder: Path) -> list[Path]:
     """Give each notebook of ``folder`` that runs on the ``python3`` kernel this
     environment's kernel metadata where it has another; the notebooks changed. Only those
-    two metadata entries change, in a copy renamed over the notebook; a link, a file that
-    is not a readable notebook, or one on another kernel is left as it is."""
+    two metadata entries change, written whole or not at all
+    (:func:`distlab.grading.output.replace_file`); a link, a file that is not a readable
+    notebook, or one on another kernel is left as it is."""
     import nbformat
 
     want = kernel_metadata()
@@ -113,13 +116,9 @@ def match_kernel(folder: Path) -> list[Path]:
                 nb.metadata.get(key) == value for key, value in want.items()):
             continue
         nb.metadata.update(want)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            tmp.write_text(nbformat.writes(nb) + "\n")
-            os.chmod(tmp, path.stat().st_mode & 0o777)
-            os.replace(tmp, path)
+            replace_file(path, (nbformat.writes(nb) + "\n").encode())
         except OSError:
-            tmp.unlink(missing_ok=True)
             continue
         changed.append(path)
     return changed

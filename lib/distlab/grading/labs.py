@@ -8,9 +8,9 @@ A notebook is the lab whose name its file name starts with (``05_zero.ipynb``,
 name is not graded at all (:func:`lab_of` gives None; the grader reports an error).
 
 :data:`~distlab.grading.answers.ANSWERS` (the answers' manifest) names, per exercise,
-the library code that answers it (in the labs' order, which is the order of the report). In a graded rank, while that exercise is
-graded, each of them refuses (:func:`disarm`): calling it, instantiating it or
-subclassing it raises :data:`REFUSAL`; and where graded ranks are sandboxed the source
+the library code that answers it (in the labs' order, which is the order of the
+report). In a graded rank, while that exercise is graded, each of them refuses
+(:func:`disarm`): calling it, instantiating it or subclassing it raises :data:`REFUSAL`; and where graded ranks are sandboxed the source
 files of every module it names are absent from their filesystem
 (:func:`distlab.grading.answers.hidden_modules`, left out by :mod:`distlab.runtime.confine`).
 
@@ -228,11 +228,15 @@ def _points(cpu: int, gpu: int) -> str:
     return f"{cpu}" + (f" (+{gpu} with GPUs)" if gpu else "")
 
 
-def lab_listing(lab: str, counts: dict[str, tuple[int, int]], tests_dir: Path = TESTS) -> str:
-    """The block a lab's first cell ends with: each graded exercise and its points."""
-    names = exercises(tests_dir)[lab]
-    rows = [f"| `{name}`{' (core)' if is_core(tests_dir / f'test_{name}.py') else ''} | "
-            f"{_points(*counts[name])} |" for name in names]
+def _named(name: str, tests_dir: Path) -> str:
+    return f"`{name}`" + (" (core)" if is_core(tests_dir / f"test_{name}.py") else "")
+
+
+def lab_listing(lab: str, names, counts: dict[str, tuple[int, int]],
+                tests_dir: Path = TESTS) -> str:
+    """The block a lab's first cell ends with: each graded exercise (``names``) and its
+    points."""
+    rows = [f"| {_named(name, tests_dir)} | {_points(*counts[name])} |" for name in names]
     cpu, gpu = (sum(counts[n][i] for n in names) for i in (0, 1))
     number = lab.split("_")[0]
     return "\n".join([
@@ -242,13 +246,12 @@ def lab_listing(lab: str, counts: dict[str, tuple[int, int]], tests_dir: Path = 
         "| exercise | points |", "| --- | --- |", *rows, END_LISTING])
 
 
-def readme_listing(counts: dict[str, tuple[int, int]], tests_dir: Path = TESTS) -> str:
-    """The README's table of every lab's graded exercises and their points."""
-    rows = []
-    for lab, names in exercises(tests_dir).items():
-        cells = [f"`{n}`{' (core)' if is_core(tests_dir / f'test_{n}.py') else ''} "
-                 f"{_points(*counts[n])}" for n in names]
-        rows.append(f"| {lab} | {'; '.join(cells)} |")
+def readme_listing(labs: dict, counts: dict[str, tuple[int, int]],
+                   tests_dir: Path = TESTS) -> str:
+    """The README's table of every lab's graded exercises (``labs``: :func:`exercises`'s
+    answer) and their points."""
+    rows = [f"| {lab} | " + "; ".join(f"{_named(n, tests_dir)} {_points(*counts[n])}"
+                                       for n in names) + " |" for lab, names in labs.items()]
     return "\n".join([_HEADER, "| lab | graded exercises and their points |",
                       "| --- | --- |", *rows, END_LISTING])
 
@@ -276,7 +279,7 @@ def render(solutions: Path, readme: Path | None, tests_dir: Path = TESTS,
         nb = nbformat.read(path, as_version=4)
         first = nb.cells[0]
         text = first.source
-        listing = lab_listing(lab, counts, tests_dir)
+        listing = lab_listing(lab, labs[lab], counts, tests_dir)
         new = _with_listing(text, listing, f"{path}'s first cell") if BEGIN_LISTING in text \
             else f"{text.rstrip()}\n\n{listing}"
         if new != text:
@@ -286,7 +289,7 @@ def render(solutions: Path, readme: Path | None, tests_dir: Path = TESTS,
                 nbformat.write(nb, path)
     if readme is not None:
         text = Path(readme).read_text()
-        new = _with_listing(text, readme_listing(counts, tests_dir), str(readme))
+        new = _with_listing(text, readme_listing(labs, counts, tests_dir), str(readme))
         if new != text:
             changed.append(str(readme))
             if write:
