@@ -222,16 +222,21 @@ def _syntax_message(name: str, source: str, exc: SyntaxError) -> str:
     return f"{head}\n    {text}\n    {' ' * caret}^"
 
 
-def module_source(nb) -> str:
+def module_source(nb, prelude: list[str] | None = None,
+                  problems: dict[str, str] | None = None) -> str:
     """A Python module made of the notebook's exercise cells (after its imports).
 
     A cell that does not compile (:func:`compile_problem`) becomes a stub raising a
     SyntaxError that says so when called, so that an exercise calling it is told why;
-    the grader reports the cell itself, without running its tests."""
+    the grader reports the cell itself, without running its tests. ``prelude`` and
+    ``problems``: :func:`imports` and :func:`compile_problem`'s answers where the caller
+    has them already (a notebook is parsed once)."""
     parts = ['"""Exercises extracted from a notebook by distlab.grading.notebook."""']
-    parts += imports(nb)
+    parts += imports(nb) if prelude is None else prelude
     for name, source in exercises(nb).items():
-        problem = compile_problem(name, source)
+        problem = (problems or {}).get(name)
+        if problem is None:
+            problem = compile_problem(name, source)
         source = (f"def {name}(*args, **kwargs):\n    raise SyntaxError("
                   f"{f'{name} does not compile ({problem.splitlines()[0]})'!r})"
                   if problem else _strip_magics(source))

@@ -277,7 +277,8 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
-        module.write_text(notebook.module_source(nb))
+        prelude = notebook.imports(nb)
+        module.write_text(notebook.module_source(nb, prelude, problems))
         module.chmod(0o644)
         run_dir = Path(tmp) / "tmp"
         run_dir.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
@@ -286,7 +287,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
-        env.update(sandbox.rank_sandbox(Path(tmp), module, user, notebook.imports(nb), sorted(
+        env.update(sandbox.rank_sandbox(Path(tmp), module, user, prelude, sorted(
             {m for name in to_run for f in (files[name], *extra.get(name, ()))
              for m in labs.rank_imports(f)}), hidden.unseen if hidden else ()))
         first = True
