@@ -183,15 +183,34 @@ def shot(page, target, name: str) -> None:
     page.screenshot(path=ARTIFACTS / f"{name}.png")
 
 
+def assert_opens_unchanged(page, lab, name: str) -> None:
+    """Fail if opening ``name`` changed it: where the tab shows it modified, save it and
+    name what JupyterLab rewrote (metadata entries, cells, format). A tab marked modified
+    whose save writes the same notebook is JupyterLab's passing state, not a change."""
+    page.wait_for_timeout(500)
+    if page.evaluate("document.querySelector('.lm-TabBar-tab.jp-mod-dirty') === null"):
+        return
+    before = nbformat.read(lab.path(name), as_version=4)
+    after = save_and_read(page, lab, name)
+    keys = sorted(set(before.metadata) | set(after.metadata))
+    changed = {k: (before.metadata.get(k), after.metadata.get(k)) for k in keys
+               if before.metadata.get(k) != after.metadata.get(k)}
+    cells = [i for i, (a, b) in enumerate(zip(before.cells, after.cells)) if a != b]
+    form = [(before.nbformat, before.nbformat_minor), (after.nbformat, after.nbformat_minor)]
+    assert not (changed or cells or len(before.cells) != len(after.cells)
+                or form[0] != form[1]), (
+        f"{name} shows as modified as soon as it opens, and saving it writes: metadata "
+        f"(before, after) {changed}, cells changed {cells}, cells {len(before.cells)} -> "
+        f"{len(after.cells)}, format {form}")
+
+
 def check_student_view(page, lab, name: str, expected=None) -> list[dict]:
     """Open ``name``, Run All, and check what shows against the solution's outputs, or
     against ``expected`` (as :func:`expected_outputs` gives), for a notebook with no
     solution."""
     expected = expected or expected_outputs(stored(name))
     open_notebook(page, lab, name, len(expected))
-    page.wait_for_timeout(500)
-    assert page.evaluate("document.querySelector('.lm-TabBar-tab.jp-mod-dirty') === null"), (
-        f"{name} shows as modified as soon as it opens (JupyterLab rewrote its metadata)")
+    assert_opens_unchanged(page, lab, name)
     cells = run_all(page, RUN_TIMEOUT_S)
     assert len(cells) == len(expected), (
         f"JupyterLab shows {len(cells)} cells, the notebook has {len(expected)}")
