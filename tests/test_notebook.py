@@ -1,4 +1,5 @@
 """Exercise cells, the student release, and its staleness check."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -241,3 +242,41 @@ def test_each_lab_and_the_readme_list_the_graders_exercises_and_points():
     stale = labs.render(ROOT / "solutions", ROOT / "README.md", write=False)  # ~8 CPU-s
     assert not stale, (f"{stale} do not list the grader's exercises and points: run "
                        f"`make labs` (python -m distlab.grading.labs render)")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "solutions").glob("*.ipynb")), ids=lambda p: p.stem)
+def test_a_submission_reads_as_nbformat_reads_it(path):
+    """The grader's own reader (no nbformat) sees the exercises, imports and cells that
+    nbformat sees, in a notebook saved with its sources split into lines."""
+    split = nbformat.read(path, as_version=4)
+    raw = nbformat.writes(split)  # nbformat writes each source as a list of lines
+    assert any(isinstance(c["source"], list) for c in json.loads(raw)["cells"])
+    mine = notebook.parse(raw.encode())
+    assert notebook.exercises(mine) == notebook.exercises(split)
+    assert notebook.imports(mine) == notebook.imports(split)
+    assert notebook.fingerprint(mine) == notebook.fingerprint(split)
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"nbformat": 3, "cells": []}', "not an nbformat 4"),
+    ('{"nbformat": 4, "metadata": [], "cells": []}', "not an object"),
+    ('{"nbformat": 4, "cells": [1]}', "not an object"),
+    ('{"nbformat": 4, "cells": [{"cell_type": "code"}]}', "text source"),
+    ('{"nbformat": 4, "cells": [{"cell_type": "code", "source": ["a", 1]}]}', "text source"),
+    ('{"nbformat": 4, "cells": [{"cell_type": "widget", "source": ""}]}', "known type"),
+    ('[' * 100_000, "recursion"),
+])
+def test_a_file_that_is_no_notebook_is_refused_naming_the_fix(tmp_path, text, why):
+    path = tmp_path / "00_setup.ipynb"
+    path.write_text(text)
+    with pytest.raises(notebook.SubmissionError, match="is not a readable notebook.*save it"):
+        notebook.read_submission(path)
+    with pytest.raises((ValueError, RecursionError), match=f"(?i){why}"):
+        notebook.parse(text.encode())
+
+
+def test_exercise_metadata_of_the_wrong_type_names_no_exercise():
+    nb = notebook.parse(b'{"nbformat": 4, "cells": [{"cell_type": "code", "source": "x", '
+                        b'"metadata": {"nbgrader": {"solution": true, "grade_id": [1]}}}, '
+                        b'{"cell_type": "code", "source": "y", "metadata": {"nbgrader": 7}}]}')
+    assert notebook.exercises(nb) == {}
