@@ -23,6 +23,7 @@ import nbformat
 import pytest
 
 from distlab.grading import labs, notebook
+from distlab.grading.answers import hidden_modules, modules_of as answer_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE = re.compile(r"\bdistlab(?:\.[A-Za-z_]\w*)+")
@@ -37,8 +38,10 @@ def _module_file(name: str) -> Path | None:
 
 
 def _private(name: str) -> bool:
-    """The answers' modules: :mod:`distlab.reference` and a package's ``_reference``."""
-    return (name + ".").startswith("distlab.reference.") or name.endswith("._reference")
+    """The answers' modules: those of the manifest, each holding only answers, absent
+    while their exercise is graded (and :mod:`distlab.reference`, the package most of
+    them are in)."""
+    return name in hidden_modules() or name == "distlab.reference"
 
 
 def submodules(package: str) -> set[str]:
@@ -207,7 +210,7 @@ def test_the_check_finds_a_copied_answer_under_another_name(kit):
     renamed = ast.unparse(step).replace("layout", "lay").replace("shard", "piece")
     found = answers_in(renamed, names, bodies)
     assert found and "zero2_step" in found[0], found
-    dp = ast.parse((ROOT / "lib/distlab/reference/dp.py").read_text())
+    dp = ast.parse((ROOT / "lib/distlab/dp/ddp.py").read_text())
     launch = next(fn for qual, fn in functions(dp) if qual == "DataParallel._launch")
     launch.name = "issue"
     found = answers_in(ast.unparse(launch), names, bodies)
@@ -216,12 +219,13 @@ def test_the_check_finds_a_copied_answer_under_another_name(kit):
         "defines ZeRO3Unit, a graded exercise"]
 
 
-def test_each_lab_with_an_exercise_says_where_the_answers_are():
-    """Labs 05-08 say, once, that distlab.reference holds the library's answers and that
-    reading it before grading defeats the exercise."""
-    for lab in ("05_zero", "06_tensor_parallel", "07_pipeline_parallel", "08_overlap"):
-        text = "\n".join(c.source for c in nbformat.read(ROOT / "labs" / f"{lab}.ipynb",
-                                                         as_version=4).cells
-                         if c.cell_type == "markdown")
-        assert text.count("`distlab.reference`") == 1, lab
-        assert "defeats the exercise" in text, lab
+def test_each_lab_names_the_modules_that_hold_its_answers():
+    """Each lab's first cell names, once, exactly the modules of the manifest that answer
+    its exercises, and says that reading them before grading defeats the exercise."""
+    for lab, names in labs.exercises().items():
+        text = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", as_version=4).cells[0].source
+        held = answer_modules(names)
+        for module in held:
+            assert text.count(f"`{module}`") == 1, (lab, module)
+        assert ("defeats the exercise" in text) == bool(held), lab
+

@@ -21,7 +21,7 @@ from distlab.data import NGramLanguage
 from distlab.dp import shard_loss_weight
 from distlab.model import GPT, config
 from distlab.pp import Stage
-from distlab.reference.tp import vocab_parallel_cross_entropy
+from distlab.tp import vocab_parallel_cross_entropy
 from distlab.zero import FullyShardedDataParallel, ShardedOptimizer
 from rounding import assert_within, bounds
 

@@ -115,9 +115,10 @@ def test_the_students_own_exception_names_their_line_and_no_hint(verdicts):
 
 
 REFUSED = """
+from distlab.grading import answers
+from distlab.runtime import absent
+absent.install(answers.modules_of(["ZeRO3Unit"]), answers.REFUSAL)  # as the ranks' server does
 import torch, torch.nn as nn
-from distlab.grading import labs
-labs.disarm("ZeRO3Unit")
 from distlab.zero import flat, memory
 calls = {"FlatParams": lambda: flat.FlatParams([("w", nn.Parameter(torch.ones(2)))]),
          "Layout": lambda: flat.Layout(5, 2),
@@ -128,7 +129,7 @@ for name, call in calls.items():
         call()
         print(name, "ran")
     except RuntimeError as e:
-        print(name, "refused" if labs.REFUSAL in str(e) else f"failed otherwise: {e}")
+        print(name, "refused" if answers.REFUSAL in str(e) else f"failed otherwise: {e}")
 with memory.StorageTracker() as tracker:   # what the exercise's tests use still works
     torch.ones(3)
 print("StorageTracker", "works" if tracker.peak() else "broken")
@@ -138,7 +139,8 @@ print("StorageTracker", "works" if tracker.peak() else "broken")
 def test_the_flat_units_helpers_refuse_while_zero3_unit_is_graded():
     """A student who builds ZeRO3Unit from the library's FlatParams (or its padded layout
     and collectives) scores 0: in a graded rank they refuse, with the grader's message,
-    as soon as labs.disarm has run; the StorageTracker the tests measure with does not."""
+    their modules absent (as in its graded ranks); the StorageTracker the tests measure
+    with still works."""
     out = subprocess.run([sys.executable, "-c", REFUSED], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

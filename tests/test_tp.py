@@ -22,7 +22,7 @@ from distlab.comm import CommLog, bus_factor
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
-from distlab.reference.tp import vocab_parallel_cross_entropy
+from distlab.tp import vocab_parallel_cross_entropy
 from distlab.shards import shard_sizes
 from distlab.viz.tp import plot_bench
 import tp_cases
@@ -374,17 +374,16 @@ def test_answers_refuse_every_library_piece_of_the_vocabulary_parallel_loss():
     import inspect
 
     from distlab.grading.labs import ANSWERS
-    from distlab.reference import tp as reference
     from distlab.tp import layers, ops, parallelize
 
     found = set()
-    for module in (layers, ops, parallelize, reference):
+    for module in (layers, ops, parallelize):
         for name, obj in vars(module).items():
             if ((inspect.isfunction(obj) or inspect.isclass(obj))
                     and obj.__module__ == module.__name__):
                 source = inspect.getsource(obj)
                 if "ReduceOp.MAX" in source or "masked_fill" in source:
                     found.add(f"{module.__name__}:{name}")
-    assert "distlab.reference.tp:vocab_parallel_cross_entropy" in found, found
+    assert "distlab.tp.layers:vocab_parallel_cross_entropy" in found, found
     missing = found - set(ANSWERS["vocab_parallel_cross_entropy"])
     assert not missing, f"library code that answers vocab_parallel_cross_entropy, not refused: {missing}"

@@ -21,10 +21,11 @@ Both wrappers are shaped like ``torch.nn.parallel.DistributedDataParallel``
   its rows are not an equal share), ``plan_buckets(params, bucket_cap_mb=25)``.
 
 :mod:`~distlab.dp.channels` says how a bucket's all-reduce is issued. The wrappers'
-code answers labs 04 and 08: it is in :mod:`distlab.reference.dp` (read it after grading).
+code answers labs 04 and 08: it is in :mod:`distlab.dp.ddp` (read it after grading);
+:mod:`~distlab.dp.replicas` holds what the wrappers are built on.
 """
-from distlab.reference.dp import (MB, DataParallel, OneShotDataParallel, allreduce_gradients,
-                                  broadcast_state, plan_buckets, shard_loss_weight)
+from distlab.dp.ddp import DataParallel, OneShotDataParallel, allreduce_gradients
+from distlab.dp.replicas import MB, broadcast_state, plan_buckets, shard_loss_weight
 
 __all__ = ["MB", "DataParallel", "OneShotDataParallel", "allreduce_gradients",
            "broadcast_state", "plan_buckets", "shard_loss_weight"]

@@ -1,19 +1,26 @@
 """The answers' manifest: which library code answers which exercise.
 
 :data:`ANSWERS` maps each exercise to the ``"module:name"`` of every library object that
-answers it (in the labs' order, the order of the grader's report). It is read by the
-refusal in graded ranks (:func:`distlab.grading.labs.disarm`), by the sandbox, which
-leaves the source of every module named here out of the ranks' filesystem
-(:func:`hidden_modules`), and by the tests of the layout. Nothing here imports anything.
+answers it (in the labs' order, the order of the grader's report). A module named here
+holds only answers (docs/design.md, "Where the answers go"), so that it can be absent
+whole: from the graded ranks of its exercise (:func:`absent_spec`, carried out by
+:mod:`distlab.runtime.absent`), and its source from every graded rank's filesystem
+(:func:`hidden_modules`). Read by the grader, the sandbox, each lab's listing of its
+exercises (:mod:`distlab.grading.labs`) and the tests of the layout. Nothing here
+imports anything.
 """
 from __future__ import annotations
 
 _RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ring:ring_all_gather",
          "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
-_SCHEDULES = ("distlab.reference.pp:gpipe_schedule", "distlab.reference.pp:one_f_one_b_schedule",
-              "distlab.reference.pp:bubble_fraction", "distlab.reference.pp:build_schedule")
-_DP = ("distlab.reference.dp:DataParallel", "distlab.reference.dp:_Bucket",
-       "distlab.reference.dp:OneShotDataParallel", "distlab.reference.dp:allreduce_gradients")
+_SCHEDULES = ("distlab.pp.tables:gpipe_schedule", "distlab.pp.tables:one_f_one_b_schedule",
+              "distlab.pp.tables:bubble_fraction", "distlab.pp.tables:build_schedule")
+# the two layers and Megatron's operators f and g they are built from (the notebook's warm-ups)
+_LAYERS = ("distlab.tp.layers:ColumnParallelLinear", "distlab.tp.layers:RowParallelLinear",
+           "distlab.tp.fg:copy_to_group", "distlab.tp.fg:_CopyToGroup",
+           "distlab.tp.fg:reduce_from_group", "distlab.tp.fg:_ReduceFromGroup")
+_DP = ("distlab.dp.ddp:DataParallel", "distlab.dp.ddp:_Bucket",
+       "distlab.dp.ddp:OneShotDataParallel", "distlab.dp.ddp:allreduce_gradients")
 
 # "module:name" of the library code that answers each exercise. all_reduce_mean has none
 # (the library has no mean all-reduce). bus_factor answers bus_bandwidth: lab 01 asks for
@@ -37,23 +44,21 @@ ANSWERS: dict[str, tuple[str, ...]] = {
                   "distlab.reference.zero:FlatParams", "distlab.reference.zero:Layout",
                   "distlab.reference.zero:reduce_scatter_mean",
                   "distlab.reference.zero:all_gather_shards"),
-    "ColumnParallelLinear": ("distlab.reference.tp:ColumnParallelLinear",
-                             "distlab.reference.tp:RowParallelLinear"),
-    "RowParallelLinear": ("distlab.reference.tp:ColumnParallelLinear",
-                          "distlab.reference.tp:RowParallelLinear"),
+    "ColumnParallelLinear": _LAYERS,
+    "RowParallelLinear": _LAYERS,
     # the embedding's forward is the masked lookup and sum the loss needs for the target's logit
-    "vocab_parallel_cross_entropy": ("distlab.reference.tp:vocab_parallel_cross_entropy",
-                                     "distlab.reference.tp:VocabParallelEmbedding"),
+    "vocab_parallel_cross_entropy": ("distlab.tp.layers:vocab_parallel_cross_entropy",
+                                     "distlab.tp.layers:VocabParallelEmbedding"),
     "gpipe_schedule": _SCHEDULES,
     "one_f_one_b_schedule": _SCHEDULES,
     "bubble_fraction": _SCHEDULES,
-    "run_stage": ("distlab.reference.pp:PipelineRunner", "distlab.reference.pp:sum_tied_gradients",
+    "run_stage": ("distlab.pp.runtime:PipelineRunner", "distlab.pp.runtime:sum_tied_gradients",
                   "distlab.pp.p2p:StageLink"),
     "BucketedDDP": _DP,
     "mesh_groups": ("distlab.reference.mesh:Grid", "distlab.reference.mesh:Mesh"),
     "distributed_train_step": ("distlab.reference.train:Trainer", "distlab.reference.train:build",
                                "distlab.reference.train:train", "distlab.reference.train:_Bucket",
-                               "distlab.reference.train:_Shards", "distlab.reference.zero:reduce_grads"),
+                               "distlab.reference.train:_Shards", "distlab.reference.grads:reduce_grads"),
     "ring_attention": ("distlab.cp._reference:ring_attention",
                        "distlab.cp._reference:_RingAttention"),
     # kept() is the contract's drop rule, combine_local the one-process layer's sum
@@ -68,5 +73,18 @@ REFUSAL = "this is the library's answer to the exercise being graded"
 
 
 def hidden_modules() -> list[str]:
-    """Every module named in :data:`ANSWERS`: imported, then hidden, in graded ranks."""
-    return sorted({ref.split(":")[0] for refs in ANSWERS.values() for ref in refs})
+    """Every module named in :data:`ANSWERS`: its source is absent from graded ranks."""
+    return modules_of(ANSWERS)
+
+
+def modules_of(exercises) -> list[str]:
+    """The modules that hold the answers to ``exercises``: absent from the ranks of a
+    grading run of any of them (:mod:`distlab.runtime.absent`)."""
+    return sorted({ref.split(":")[0] for name in exercises for ref in ANSWERS.get(name, ())})
+
+
+def absent_spec(exercises) -> dict:
+    """What the graded ranks' fork server makes absent (:data:`distlab.runtime.absent.ENV`):
+    the answers to the lab's ``exercises`` before it imports anything, then every other
+    answer module that the ranks' preloads did not import."""
+    return {"modules": modules_of(exercises), "later": hidden_modules(), "message": REFUSAL}

@@ -9,10 +9,10 @@ name is not graded at all (:func:`lab_of` gives None; the grader reports an erro
 
 :data:`~distlab.grading.answers.ANSWERS` (the answers' manifest) names, per exercise,
 the library code that answers it (in the labs' order, which is the order of the
-report). In a graded rank, while that exercise is graded, each of them refuses
-(:func:`disarm`): calling it, instantiating it or subclassing it raises :data:`REFUSAL`; and where graded ranks are sandboxed the source
-files of every module it names are absent from their filesystem
-(:func:`distlab.grading.answers.hidden_modules`, left out by :mod:`distlab.runtime.confine`).
+report). While an exercise is graded, the modules holding its answers are absent from
+the processes that run the student's code (:mod:`distlab.runtime.absent`), and where
+graded ranks are sandboxed the source files of every answer module are absent from
+their filesystem (:func:`distlab.grading.answers.hidden_modules`).
 
 ``python -m distlab.grading.labs check solutions`` exits 1 when the exercise tests,
 ``solutions/`` and :data:`ANSWERS` disagree (:func:`problems`); ``... render solutions
@@ -26,10 +26,10 @@ import importlib
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
-from distlab.grading.answers import ANSWERS, REFUSAL
+from distlab.grading import answers
+from distlab.grading.answers import ANSWERS
 
 TESTS = Path(__file__).resolve().parent / "exercises"
 
@@ -63,86 +63,6 @@ def unknown_lab_message(path, labs=None) -> str:
     return (f"{Path(path).name} is not one of the labs: the file name must start with a lab's "
             f"name ({', '.join(f'{lab}.ipynb' for lab in labs)}); nothing was graded. Keep the "
             f"name the lab was handed out with")
-
-
-# ------------------------------------------------------------------- refusing answers
-
-
-def _refusing_code(code: types.CodeType, what: str) -> types.CodeType:
-    """Code that raises the refusal, with as many free variables as ``code`` (so that it
-    can replace it in a function whose closure has them, e.g. ``__class__``)."""
-    free = [f"_free{i}" for i in range(len(code.co_freevars))]
-    name = code.co_name if code.co_name.isidentifier() else "refused"
-    body = (f"def _outer():\n    {' = '.join(free) + ' = None' if free else 'pass'}\n"
-            f"    def {name}(*args, **kwargs):\n"
-            f"        {'; '.join(free) if free else 'pass'}\n"
-            f"        raise RuntimeError({f'{REFUSAL} ({what}): write your own'!r})\n"
-            f"    return {name}\n")
-    namespace: dict = {}
-    exec(compile(body, "<the library's answer, refused while grading>", "exec"),
-         {"__builtins__": __builtins__}, namespace)
-    return namespace["_outer"]().__code__
-
-
-def _disarm_function(fn, what: str) -> None:
-    """``fn`` refuses, and so does every function it wraps: a decorator's wrapper keeps
-    the original in ``__wrapped__`` and in its closure (``torch.no_grad()``'s does), where
-    a cell could dig it out; the closure's functions of ``fn``'s own module refuse too."""
-    todo = [fn]
-    while todo:
-        f = todo.pop()
-        if not isinstance(f, types.FunctionType) or "refused" in f.__dict__:
-            continue
-        todo.append(f.__dict__.get("__wrapped__"))
-        for cell in f.__closure__ or ():
-            try:
-                inner = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(inner, types.FunctionType) and inner.__module__ == fn.__module__:
-                todo.append(inner)
-        f.__code__ = _refusing_code(f.__code__, what)
-        f.__defaults__ = f.__kwdefaults__ = None
-        f.__dict__["refused"] = True
-
-
-def _disarm_class(cls: type, what: str) -> None:
-    for value in list(vars(cls).values()):
-        for fn in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
-                   getattr(value, "fset", None)):
-            if isinstance(fn, types.FunctionType) and fn.__module__ == cls.__module__ and \
-                    fn.__qualname__.startswith(cls.__qualname__ + "."):
-                _disarm_function(fn, what)
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError(f"{REFUSAL} ({what}): write your own")
-
-    cls.__init_subclass__ = classmethod(refuse)
-    cls.__new__ = refuse
-    cls.__init__ = refuse
-
-
-def _target(reference: str):
-    module_name, name = reference.split(":")
-    return importlib.import_module(module_name), name
-
-
-def disarm(exercise: str) -> list[str]:
-    """In a graded rank, before the student's module is imported: every library object
-    that answers ``exercise`` refuses from now on, through whatever name reaches it (its
-    code is replaced, not just its name, so an alias taken at import refuses too). The
-    original code is not kept anywhere in this process. Returns what was disarmed."""
-    done = []
-    for reference in ANSWERS.get(exercise, ()):
-        module, name = _target(reference)
-        obj = getattr(module, name)
-        what = f"{module.__name__}.{name}"
-        if isinstance(obj, type):
-            _disarm_class(obj, what)
-        else:
-            _disarm_function(obj, what)
-        done.append(what)
-    return done
 
 
 # ----------------------------------------------------------------- the kit agrees
@@ -239,11 +159,17 @@ def lab_listing(lab: str, names, counts: dict[str, tuple[int, int]],
     rows = [f"| {_named(name, tests_dir)} | {_points(*counts[name])} |" for name in names]
     cpu, gpu = (sum(counts[n][i] for n in names) for i in (0, 1))
     number = lab.split("_")[0]
+    held = answers.modules_of(names)
+    where = [] if not held else [
+        "", f"The library's answers to them are in {', '.join(f'`{m}`' for m in held)}. "
+            f"Reading those before your work is graded defeats the exercise; while it is "
+            f"graded they are absent from the processes that run your code, and a test that "
+            f"reaches one scores 0 (\"refused\")."]
     return "\n".join([
         _HEADER,
         f"**Graded exercises** ({len(names)}; `make grade LAB={number}` grades them, one "
         f"point per test, {_points(cpu, gpu)} in all):", "",
-        "| exercise | points |", "| --- | --- |", *rows, END_LISTING])
+        "| exercise | points |", "| --- | --- |", *rows, *where, END_LISTING])
 
 
 def readme_listing(labs: dict, counts: dict[str, tuple[int, int]],
@@ -326,8 +252,8 @@ def problems(solutions: Path, tests_dir: Path = TESTS) -> list[str]:
                              f"name the library code that answers it, or () for none")
     for refs in ANSWERS.values():
         for ref in refs:
-            module, name = _target(ref)
-            if not hasattr(module, name):
+            module, name = ref.split(":")
+            if not hasattr(importlib.import_module(module), name):
                 found.append(f"ANSWERS names {ref}, which does not exist")
     return found
 

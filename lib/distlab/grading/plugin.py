@@ -78,30 +78,15 @@ def _verdict_of(exc) -> tuple[str, str]:
     return "error", f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
-def refusals(rootdir) -> tuple[str, ...]:
-    """The phrases that say a test reached one of the library's answers: the grader's
-    (:data:`distlab.grading.answers.REFUSAL`) and the ``REFUSED`` of any helper module of
-    the exercise tests (under ``rootdir``) that refuses references of its own."""
-    import sys
-
+def _refused(exc) -> tuple[str, str] | None:
+    """("refused", message) when the test reached one of the library's answers, absent
+    while grading (:mod:`distlab.runtime.absent`): such an exercise scores 0 (and points
+    at no hint)."""
     from distlab.grading.answers import REFUSAL
 
-    found = [REFUSAL]
-    for module in list(sys.modules.values()):
-        phrase = getattr(module, "REFUSED", None)
-        if isinstance(phrase, str) and phrase and str(getattr(module, "__file__", "") or "") \
-                .startswith(str(rootdir)):
-            found.append(phrase)
-    return tuple(dict.fromkeys(found))
-
-
-def _refused(exc, phrases) -> tuple[str, str] | None:
-    """("refused", message) when the test reached one of the library's answers, which
-    refuse while grading: such an exercise scores 0 (and points at no hint)."""
     for line in str(exc).splitlines():
-        for phrase in phrases:
-            if phrase in line:
-                return "refused", line[line.index(phrase):].strip()
+        if REFUSAL in line:
+            return "refused", line[line.index(REFUSAL):].strip()
     return None
 
 
@@ -133,7 +118,6 @@ class _Recorder:
         self.exercise: dict[str, str] = {}  # test id → exercise
         self.current: str | None = None  # the exercise whose tests run now
         self.marks = (0, 0, 0)  # _evidence_marks() when the test started
-        self.refusals: tuple[str, ...] = ()
 
     def _write(self, record: dict) -> None:
         if "test" in record:
@@ -142,7 +126,6 @@ class _Recorder:
 
     def pytest_collection_modifyitems(self, config, items):
         gc.freeze()  # torch and the tests, imported: no collection walks them again
-        self.refusals = refusals(config.rootpath)
         self.exercise = {item.nodeid: exercise_of(str(item.path)) for item in items}
         self._write({"collected": [{"test": item.nodeid, "exercise": self.exercise[item.nodeid],
                                     "blocked": blocked_reason(item) or ""} for item in items]})
@@ -158,8 +141,7 @@ class _Recorder:
             from distlab import launch
 
             # Fresh ranks for each exercise: ranks that ran the student's code for one
-            # exercise (with that exercise's library answers disarmed, and the others
-            # not) never serve another. The grader's watchdog times the exercise from here.
+            # exercise never serve another. The grader's watchdog times it from here.
             launch.shutdown(graceful=False)
             self.current = name
             self._write({"start": name})
@@ -184,7 +166,7 @@ class _Recorder:
         outcome = yield
         report = outcome.get_result()
         if call.excinfo is not None and report.failed:
-            report.distlab_verdict = (_refused(call.excinfo.value, self.refusals) or
+            report.distlab_verdict = (_refused(call.excinfo.value) or
                                       _verdict_of(call.excinfo.value))
 
     def pytest_runtest_logreport(self, report):

@@ -65,8 +65,10 @@ import threading
 import time
 from pathlib import Path
 
+from distlab.grading import answers
 from distlab.grading.hidden import HiddenTests
 from distlab.grading.plugin import EXERCISE_TIMEOUT
+from distlab.runtime import absent
 
 TESTS = Path(__file__).resolve().parent / "exercises"  # installed with the package
 
@@ -228,9 +230,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
     the file name, its exercises by the tests of ``tests_dir`` that declare it,
     :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest
-    run over the exercises' test files, each exercise's tests limited to ``timeout``
-    seconds (reruns for the exercises a stopped run never reached), each graded rank's
-    data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
+    run per exercise, over its test files, whose ranks never hold the library's answers to
+    it (:func:`distlab.grading.answers.absent_spec`), its tests limited to ``timeout``
+    seconds, each graded rank's data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
     is missing, or does not compile (:func:`distlab.grading.notebook.compile_problem`),
     scores 0 of its tests, counted and not run; an exercise cell of another lab is reported
     as ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
@@ -271,7 +273,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     runs: dict[str, tuple] = {}  # exercise → (exit status, output, ended) of its run
     records: list[dict] = []
     overran: set[str] = set()
-    seconds = 0.0
+    seconds: dict[str, float] = {}
     to_run = [name for name in wanted if name not in missing | counted_only]
     deadline = time.monotonic() + total
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
@@ -287,34 +289,35 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
-        env.update(sandbox.rank_sandbox(Path(tmp), module, user, prelude, sorted(
-            {m for name in to_run for f in (files[name], *extra.get(name, ()))
-             for m in labs.rank_imports(f)}), hidden.unseen if hidden else ()))
-        first = True
-        while first or to_run:
-            files_now = [f for n in wanted if n in to_run or (first and n in counted_only)
-                         for f in (files[n], *extra.get(n, ()))]
-            if not files_now or time.monotonic() >= deadline:
+        every_file = [f for n in wanted if n not in missing
+                      for f in (files[n], *extra.get(n, ()))]
+        # one contained run per exercise, whose ranks' fork server never held its answers
+        # (distlab.runtime.absent); the first also collects (never runs) every other
+        # exercise's tests, so that each is counted even where the notebook's time runs out
+        for i, name in enumerate(to_run or [None]):
+            mine = [files[name], *extra.get(name, ())] if name else []
+            if time.monotonic() >= deadline:
                 break
+            spec_dir = Path(tmp) / f"run{i}"
+            spec_dir.mkdir(mode=0o755)
+            run_env = dict(env, **sandbox.rank_sandbox(
+                spec_dir, module, user, prelude, sorted({m for f in mine
+                                                         for m in labs.rank_imports(f)}),
+                hidden.unseen if hidden else ()))
+            run_env[absent.ENV] = json.dumps(answers.absent_spec([name] if name else []))
             start = time.monotonic()
             code, out, got, stopped = _run_reported(
-                [f"--distlab-untouched={','.join(sorted(counted_only))}",
+                [f"--distlab-untouched={','.join(n for n in wanted if n != name)}",
                  f"--distlab-exercise-timeout={timeout}",
-                 *(["--maxfail=1"] if first_failure else []), *map(str, files_now)],
-                env, min(timeout * max(len(to_run), 1) + 120, deadline - time.monotonic()),
-                tests_dir, timeout)
-            seconds += time.monotonic() - start
+                 *(["--maxfail=1"] if first_failure else []),
+                 *map(str, every_file if i == 0 else mine)],
+                run_env, min(timeout + 120, deadline - time.monotonic()), tests_dir, timeout)
             records += got
-            ended = any(r.get("end") for r in got)
-            started = [r["start"] for r in got if "start" in r]
-            for name in to_run:  # an exercise that never started in a stopped run runs again
-                if name in started or not stopped:
-                    runs.setdefault(name, (code, out, ended))
-            first = False
-            if not stopped:
-                break
-            overran.add(stopped)  # the exercises that never started get a run of their own
-            to_run = [name for name in to_run if name not in started]
+            if name:
+                seconds[name] = time.monotonic() - start
+                runs[name] = (code, out, any(r.get("end") for r in got))
+                if stopped:
+                    overran.add(name)
     out_of_time = time.monotonic() >= deadline
     collected: dict[str, dict] = {}
     for r in records:
@@ -322,7 +325,6 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
             if isinstance(c, dict) and isinstance(c.get("test"), str):
                 collected.setdefault(c["test"], c)
     outcomes = {r["test"]: r for r in records if "outcome" in r}
-    attempted = len([n for n in wanted if n not in missing | counted_only])
     results = results_first
     for name in wanted:
         mine = [c for c in collected.values() if c.get("exercise") == name]
@@ -356,7 +358,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                 else {"test": c["test"], "outcome": "timeout" if code is None else "error",
                       "message": late or (broke if not ended else "the test reported no outcome")})
                      for c in mine]
-            results.append(_summarise(name, tests, seconds / max(attempted, 1)))
+            results.append(_summarise(name, tests, seconds.get(name, 0.0)))
             if results[-1].failed_test:
                 declared = hints.declared(tests_dir / results[-1].failed_test.split("::")[0])
                 results[-1].hint = hints.pointer(declared, hints.titles(nb, name),

@@ -24,19 +24,23 @@ to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
    replies are plain data too; the report travels through a pipe only pytest holds, and
    the grading processes (the fork server included) are non-dumpable.
 3. **The maximum is the kit's** (:mod:`distlab.grading.labs`; see the runner).
-4. **The library's answers refuse** in the ranks of their exercise (``labs.disarm``),
-   and the private tables only they read are removed (:func:`distlab.grading.student._withhold_tables`); a test
-   that reached one makes the exercise "refused": 0 points, no hint.
+4. **The library's answers are absent** from the ranks of their exercise: each exercise
+   is graded by a run of its own whose ranks' fork server installs
+   :mod:`distlab.runtime.absent` before it imports anything, so that no module holding
+   an answer to it is ever loaded there (no source, bytecode, module, function, code
+   object or closure to find); library code that imports one gets stand-ins, and a test
+   that reaches one makes the exercise "refused": 0 points, no hint. The other answer
+   modules are there only when the ranks' preloads import them, and absent otherwise.
 5. **Absent, not hidden** (sandbox): a rank's root holds the Python installation, the
    site-packages and a copy of the package without ``grading/exercises`` and the answer
    modules (nor their bytecode), the student's module and the pool's folder; the rest of
    the kit's checkout (``solutions/``, ``tests/``, ``.git``, other checkouts beside it)
    is not there, nor an instructor's hidden tests and the grader's copy of them
-   (:mod:`distlab.grading.hidden`). The launcher sends sandboxed ranks no test source for tracebacks. The
-   fork server imports, as the grader and before it forks a rank, only what the kit
-   names: the answer modules, the exercise tests' ``RANK_IMPORTS`` and the modules of the
-   kit and its dependencies that the student's import lines name (:func:`preloads`),
-   never the exercise tests.
+   (:mod:`distlab.grading.hidden`). The launcher sends sandboxed ranks no test source for
+   tracebacks. The fork server imports, as the grader and before it forks a rank, only
+   what the kit names: the exercise tests' ``RANK_IMPORTS`` and the modules of the kit
+   and its dependencies that the student's import lines name (:func:`preloads`), never
+   the exercise tests.
 6. **No privilege** (sandbox): the rank's user (as root: ``nobody`` or
    ``DISTLAB_SANDBOX_USER``; otherwise the grader's own, in a user namespace) holds no
    capability and cannot gain one; the seccomp filter refuses opening files by handle,
@@ -357,8 +361,8 @@ def readable_by_ranks(folder: str) -> str | None:
                  if os.path.commonpath([path, folder]) == path), None)
 
 
-def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str],
-          preload: list[str] = (), unseen: list[str] = ()) -> dict:
+def _spec(tmp: Path, files: list[str], run_as: tuple | None, preload: list[str] = (),
+          unseen: list[str] = ()) -> dict:
     import distlab
 
     from distlab.runtime import confine
@@ -371,7 +375,7 @@ def _spec(tmp: Path, files: list[str], run_as: tuple | None, modules: list[str],
                       readable=_readable_paths(kit),
                       hidden_roots=([str(kit)] if kit else []) + list(unseen),
                       new_root=str(root), files=files, tmpfs_mb=TMPFS_MB,
-                      processes=PROCESSES, modules=modules, preload=preload)
+                      processes=PROCESSES, preload=preload)
     if run_as:
         sp["probe_user"] = list(run_as)
     return sp
@@ -391,7 +395,7 @@ def confinement() -> str:
     run_as = tuple(int(x) for x in user.split(":")) if user else None
     with tempfile.TemporaryDirectory(prefix="distlab-probe-") as tmp:
         os.chmod(tmp, 0o755)
-        return confine.available(_spec(Path(tmp), [], run_as, []))
+        return confine.available(_spec(Path(tmp), [], run_as))
 
 
 PRELOADABLE = ("distlab", "torch", "numpy", "matplotlib", "IPython", "ipywidgets")
@@ -434,13 +438,12 @@ def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
     the test files' ``RANK_IMPORTS``). The folders ``unseen`` (real paths, none inside a
     folder the ranks read: :func:`readable_by_ranks`) are absent from the rank's root,
     as the kit's checkout is. {} where :func:`confinement` says it cannot be done here."""
-    from distlab.grading import answers
     from distlab.runtime import confine
 
     if confinement():
         return {}
     run_as = tuple(int(x) for x in user.split(":")) if user else None
-    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as, answers.hidden_modules(),
+    return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as,
                                           [*preloads(list(imports)), *rank_imports], unseen))}
 
 

@@ -3,8 +3,8 @@ sandboxed ranks (what the sandbox is: :mod:`distlab.grading.sandbox`).
 
 :class:`Student` reads the names a module defines from its source, never executing it;
 each :class:`StudentRef` resolves in the rank that unpickles it (:func:`_module`), where
-the rank first caps its memory, withholds the private tables of the exercise's answers
-and disarms those answers (:func:`distlab.grading.labs.disarm`), then imports the module.
+the rank first caps its memory, then imports the module. The library's answers to the
+exercise are absent from that rank from its start (:mod:`distlab.runtime.absent`).
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class Student:
 
     ``student.NAME`` is a :class:`StudentRef` for each top-level name the module defines
     (read from its source, never executed here). ``exercise`` is the exercise being
-    graded: the ranks that import the module for it first disarm the library's answers
-    to it (:func:`distlab.grading.labs.disarm`)."""
+    graded: the ranks that import the module for it never hold the library's answers to
+    it (:mod:`distlab.runtime.absent`)."""
 
     def __init__(self, path, exercise: str = ""):
         self.path, self.exercise = str(path), exercise
@@ -119,13 +119,11 @@ _graded: list[str] = []  # the exercise this rank imported the student's module 
 
 @functools.lru_cache(maxsize=None)
 def _module(path: str, exercise: str = ""):
-    """The student's module, imported once per rank (inside the rank only), after the
-    library's answers to ``exercise`` were disarmed. A rank serves one exercise: the
+    """The student's module, imported once per rank (inside the rank only), in a rank
+    without the library's answers to ``exercise``. A rank serves one exercise: the
     grader's plugin starts fresh ranks for each (what the student's code did in a rank,
     such as keeping a library function aside, must not reach another exercise)."""
     import importlib.util
-
-    from distlab.grading import labs
 
     if _graded and _graded[0] != exercise:
         raise RuntimeError(f"this rank imported the student's module for {_graded[0]!r} and "
@@ -133,56 +131,12 @@ def _module(path: str, exercise: str = ""):
                            f"each exercise)")
     _graded.append(exercise)
     _limit_memory()
-    _withhold_tables(exercise)
-    labs.disarm(exercise)
     name = f"student_{Path(path).stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _withhold_tables(exercise: str) -> list[str]:
-    """Remove from their modules the private tables (``_NAME`` globals that are data: no
-    function, class or module) that only the library's answers to ``exercise`` read, as
-    ``distlab.reference.bandwidth._BUS_FACTORS`` behind ``bus_factor``: the answer
-    refuses, and the data it was made of goes with it. A table another function of the
-    module reads stays."""
-    import importlib
-    import inspect
-    import types
-
-    from distlab.grading.answers import ANSWERS
-
-    answers: dict[types.ModuleType, set[str]] = {}
-    for reference in ANSWERS.get(exercise, ()):
-        module_name, name = reference.split(":")
-        answers.setdefault(importlib.import_module(module_name), set()).add(name)
-    removed = []
-    for module, names in answers.items():
-        def reads(obj) -> set[str]:
-            found = set()
-            for fn in [obj] + ([v for v in vars(obj).values()] if isinstance(obj, type) else []):
-                fn = getattr(fn, "__func__", fn)
-                code = getattr(fn, "__code__", None)
-                stack = [code] if code else []
-                while stack:
-                    c = stack.pop()
-                    found.update(c.co_names)
-                    stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-            return found
-
-        tables = {n for n, v in vars(module).items() if n.startswith("_") and not n.startswith(
-            "__") and not callable(v) and not inspect.ismodule(v)}
-        by_answers = set().union(*(reads(getattr(module, n)) for n in names)) & tables
-        by_others = set().union(set(), *(reads(v) for n, v in vars(module).items()
-                                         if n not in names and (inspect.isfunction(v) or
-                                                                inspect.isclass(v))))
-        for name in sorted(by_answers - by_others):
-            delattr(module, name)
-            removed.append(f"{module.__name__}.{name}")
-    return removed
 
 
 def _limit_memory() -> None:

@@ -8,11 +8,13 @@ table on an ideal clock (the same forward time and the same backward time on eve
 stage, free communication). The tables of GPipe and 1F1B and their bubble are lab 07's
 exercises: :mod:`distlab.pp` re-exports the library's (``build_schedule``,
 ``gpipe_schedule``, ``one_f_one_b_schedule``, ``bubble_fraction``), whose
-implementation lives in :mod:`distlab.reference.pp`.
+implementation lives in :mod:`distlab.pp.tables`.
 """
 from __future__ import annotations
 
 KINDS = ("F", "B")
+TITLES = {"gpipe": "GPipe", "1f1b": "1F1B"}  # the schedules' names to print
+Table = list[list[tuple[str, int]]]  # one row of actions per stage
 
 
 def peak_in_flight(actions) -> int:

@@ -1,25 +1,22 @@
-"""The library's answers to the labs' graded exercises, and the code built on them.
-
-Everything here is what a lab asks a student to write (or its core): lab 01's bus
-factor (:mod:`~distlab.reference.bandwidth`); the shards of lab 05
-(:mod:`~distlab.reference.shards`), its ZeRO-2 step, flat units and AdamW
+"""The library's answers that have not yet moved into the package of their parallel
+dimension (docs/design.md, "Where the answers go"): lab 01's bus factor
+(:mod:`~distlab.reference.bandwidth`); lab 05's shards (:mod:`~distlab.reference.shards`),
+bytes per rank (:mod:`~distlab.reference.memory`), ZeRO-2 step, flat units and AdamW
 (:mod:`~distlab.reference.zero`) and ZeRO-3 wrapper (:mod:`~distlab.reference.fsdp`);
-the tensor-parallel operators and layers and the vocabulary-parallel cross-entropy of
-lab 06 (:mod:`~distlab.reference.tp`); the pipeline schedules and stage runtime of
-lab 07 (:mod:`~distlab.reference.pp`); the data-parallel wrappers of labs 04 and 08
-(:mod:`~distlab.reference.dp`); lab 09's rank grid and composed train step
-(:mod:`~distlab.reference.mesh`, :mod:`~distlab.reference.train`); and lab 10's FP8 casts
-(:mod:`~distlab.reference.fp8`). The rest of the library uses them through the modules
-that re-export them (:mod:`distlab.comm`, :mod:`distlab.shards`, :mod:`distlab.zero`,
-:mod:`distlab.dp`, :mod:`distlab.tp`, :mod:`distlab.pp`, :mod:`distlab.mesh`,
+lab 09's rank grid, composed train step and unit gradients (:mod:`~distlab.reference.mesh`,
+:mod:`~distlab.reference.train`, :mod:`~distlab.reference.grads`); and lab 10's FP8 casts
+(:mod:`~distlab.reference.fp8`). The answers of labs 04, 06, 07 and 08 are in
+:mod:`distlab.dp.ddp`, :mod:`distlab.tp.layers`, :mod:`distlab.pp.tables` and
+:mod:`distlab.pp.runtime`. :mod:`distlab.grading.answers` lists every answer's module.
+The rest of the library uses them through the modules that re-export them
+(:mod:`distlab.comm`, :mod:`distlab.shards`, :mod:`distlab.zero`, :mod:`distlab.mesh`,
 :mod:`distlab.train`, :mod:`distlab.fp8`), whose documentation says what they do, not
 how.
 
-**Reading this package before your exercise is graded defeats the exercise.** The
-grader refuses calls to these answers while it grades the exercise they answer.
+**Reading this package before your exercise is graded defeats the exercise.** While an
+exercise is graded, the modules holding its answers are absent from the processes that
+run the student's code (:mod:`distlab.runtime.absent`).
 
-No module here imports a module that re-exports from it (no import cycles); one that
-needs a submodule of a package re-exporting it imports it where it uses it
-(:mod:`~distlab.reference.pp`), and each module here imports first
-(``tests/test_layout.py``).
+No module here imports a module that re-exports from it (no import cycles), and each
+module here imports first (``tests/test_layout.py``).
 """

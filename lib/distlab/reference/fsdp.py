@@ -72,7 +72,8 @@ import torch.nn as nn
 
 from distlab.backend import check_module_devices
 from distlab.comm import check_group
-from distlab.reference.zero import FlatParams, reduce_grads, source_rank
+from distlab.reference.grads import reduce_grads
+from distlab.reference.zero import FlatParams, source_rank
 
 
 class _Unit:

@@ -143,14 +143,13 @@ def install_seccomp() -> None:
 
 def spec(*, package: str, package_view: str, readable: list[str], hidden_roots: list[str],
          new_root: str, files: list[str], tmpfs_mb: int, processes: int,
-         modules: list[str], preload: list[str] = ()) -> dict:
+         preload: list[str] = ()) -> dict:
     """What :func:`enter` builds (all paths absolute, made by the grader, which sees all):
     ``package`` is bound from ``package_view``; ``readable`` are bound read-only;
     top-level folders holding one of ``hidden_roots`` or an unreachable readable path are
     rebuilt from the readable paths alone; ``files`` (the student's module) are bound
-    read-only; ``new_root`` is an empty folder to build on; ``modules`` are imported
-    before the root changes (the answers, which the view leaves out); ``preload`` are
-    imported by the fork server before it forks a rank, where importing one fails too
+    read-only; ``new_root`` is an empty folder to build on; ``preload`` are imported by
+    the fork server before it forks a rank, where importing one fails too
     (:func:`distlab.grading.sandbox.preloads` chooses them)."""
     def unreachable(path: str) -> bool:
         parts = path.strip("/").split("/")
@@ -166,7 +165,7 @@ def spec(*, package: str, package_view: str, readable: list[str], hidden_roots: 
                       {p.strip("/").split("/")[0] for p in readable if unreachable(p)})
     return {"package": package, "package_view": package_view, "readable": sorted(set(readable)),
             "skeleton": skeleton, "new_root": new_root, "files": files, "tmpfs_mb": tmpfs_mb,
-            "processes": processes, "modules": modules, "preload": list(preload)}
+            "processes": processes, "preload": list(preload)}
 
 
 def _bind(source: str, target: str, writable: bool = False) -> None:
@@ -273,10 +272,6 @@ def enter(sp: dict, run_as: tuple[int, int] | None, writable: list[str]) -> None
     process confined as the module docstring says; the process that called it stays
     outside as a relay and never returns (it exits with the confined process's status).
     ``run_as``: (uid, gid) to become when root; ``writable``: folders the rank writes."""
-    import importlib
-
-    for name in sp.get("modules", ()):  # the answers: imported now, absent from the root
-        importlib.import_module(name)
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
     uid, gid = os.getuid(), os.getgid()
     if os.geteuid() != 0:

@@ -42,7 +42,7 @@ import sys
 import threading
 import warnings
 
-from distlab.runtime import plain
+from distlab.runtime import absent, plain
 
 _MAX_MESSAGE = 1 << 20
 REPLY_TIMEOUT = 30.0  # seconds the server may take to answer one request
@@ -170,7 +170,7 @@ class ForkServer:
         that holds nothing a rank may see: the grader's pytest before it imports a test
         (:mod:`distlab.grading.plugin`). The server keeps no descriptor but its socket
         and the standard three, and has a session of its own."""
-        prepare()
+        _import_shared()
         if threading.active_count() != 1:
             return None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -191,6 +191,8 @@ class ForkServer:
                             os.close(fd)
                         except OSError:  # the listing's own descriptor, already closed
                             pass
+                absent.install_from_env("modules")
+                prepare()
                 serve(theirs)
                 code = 0
             except BaseException:
@@ -379,12 +381,17 @@ def _serve(sock, children: set[int]) -> bool:
     return True
 
 
-def prepare() -> None:
-    """Import what every rank needs. Nothing here may start a thread or touch CUDA."""
+def _import_shared() -> None:
+    """What the server shares with a process that forks it: torch, and nothing of the kit
+    that may be absent from the ranks (:mod:`distlab.runtime.absent`)."""
     import cloudpickle  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
+
+def prepare() -> None:
+    """Import what every rank needs. Nothing here may start a thread or touch CUDA."""
+    _import_shared()
     from distlab import comm  # noqa: F401
     from distlab.runtime import confine, privileges, worker  # noqa: F401
 
@@ -395,8 +402,6 @@ def serve(sock: socket.socket) -> None:
 
     privileges.make_non_dumpable()  # a rank of the same user cannot trace it nor take its fds
     sandbox = confine.from_env(os.environ)
-    for name in sandbox["modules"] if sandbox else ():  # imported once, before any fork
-        importlib.import_module(name)
     # graded ranks: what the student's module and the graded tests' ranks import, once here
     # rather than in every rank; one that fails here fails again in the rank that imports it
     for name in sandbox.get("preload", ()) if sandbox else ():
@@ -404,6 +409,7 @@ def serve(sock: socket.socket) -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001
             pass
+    absent.install_from_env("later")  # the answers no rank of this run imported
     gc.freeze()  # what is imported stays out of every collection: a rank's collector never
     #              walks (and so never copies, page by page) the heap it shares with us
 
@@ -423,6 +429,7 @@ def serve(sock: socket.socket) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop("DISTLAB_FORKSERVER_FD")))
+    absent.install_from_env("modules")
     prepare()
     serve(sock)
 

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-from distlab.runtime import plain
+from distlab.runtime import absent, plain
 
 current: "Task | None" = None  # the launch this process is running, if any
 
@@ -194,4 +194,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    absent.install_from_env("modules")  # a fresh interpreter, no fork server: before main
     main()

@@ -20,7 +20,7 @@ A block therefore costs 2 all-reduces of ``b·s·h`` elements forward and 2 back
 replacing its submodules, as torchtitan does; the model's code knows nothing of it.
 Options: a vocabulary-parallel embedding and cross-entropy (Megatron's, three all-reduces
 of ``b·s`` floats instead of gathering ``b·s·V`` logits; the loss, lab 06's exercise, is
-:func:`distlab.reference.tp.vocab_parallel_cross_entropy`) and sequence parallelism
+:func:`distlab.tp.layers.vocab_parallel_cross_entropy`) and sequence parallelism
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models": LayerNorms and residuals on a slice of the sequence, an all-gather and a
 reduce-scatter in place of each all-reduce).
@@ -29,11 +29,12 @@ Shards follow ``torch.tensor_split``: the first ``n % t`` ranks hold one row mor
 Attention heads cannot be split, so the head count must be a multiple of ``t``.
 
 - :mod:`~distlab.tp.ops`: the operators f and g, and the sequence-parallel pair;
-- :mod:`~distlab.tp.layers`: the layers built on them;
+- :mod:`~distlab.tp.layers`: the layers built on them and the loss (lab 06's answers);
 - :mod:`~distlab.tp.parallelize`: the whole model, and torch's DTensor version beside it.
 """
 from distlab.shards import shard_sizes
-from distlab.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from distlab.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              vocab_parallel_cross_entropy)
 from distlab.tp.ops import (all_gather_along, compute_dtype, copy_to_group, gather_from_group,
                             gather_sequence, reduce_from_group, reduce_scatter_sequence,
                             split_sequence)
@@ -49,4 +50,5 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "split_sequence", "ParallelSelfAttention", "allreduce_bytes_per_layer",
            "allreduce_sequence_parallel_grads", "dtensor_param_groups", "full_grads",
            "full_state_dict", "heads_per_rank", "parallel_attention", "parallel_mlp",
-           "parallelize_with_torch", "qkv_rows_by_rank", "tensor_parallel", "shard_sizes"]
+           "parallelize_with_torch", "qkv_rows_by_rank", "tensor_parallel", "shard_sizes",
+           "vocab_parallel_cross_entropy"]

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from distlab.comm import check_group
-from distlab.reference.zero import reduce_grads
+from distlab.reference.grads import reduce_grads
 from distlab.zero.flat import FlatParams
 
 

@@ -1,13 +1,13 @@
 """What the three exercises of lab 07 are tested on.
 
-The student's function runs once per case in one sandboxed rank (:func:`answer`), with
-the library's reference answers (distlab.reference.pp) made to refuse while it runs
-(:func:`references_refused`): an answer that merely calls them fails. Its tables come
+The student's function runs once per case in one sandboxed rank (:func:`answer`), where
+the library's reference answers (distlab.pp.tables) are absent, every name of them a
+stand-in that raises the grader's refusal: an answer that merely calls them fails. Its
+tables come
 back as plain data and are checked here against the reference, then executed, as plain
 data, by the library's runtime on gloo ranks beside the reference table; the losses,
 weights and CommLogs come back to be checked here.
 """
-import contextlib
 import sys
 
 import cloudpickle
@@ -19,6 +19,7 @@ from distlab import launch, pp
 from distlab.comm import CommLog
 from distlab.data import NGramLanguage
 from distlab.grading import expect_close
+from distlab.grading.answers import REFUSAL
 from distlab.model import GPT, config
 from distlab.collectives.p2p_check import nccl_deadlock
 
@@ -32,47 +33,13 @@ LANG = NGramLanguage(VOCAB, 3, seed=0)
 CFG = config("test", vocab_size=VOCAB, n_layer=2)
 
 
-REFERENCES = ("gpipe_schedule", "one_f_one_b_schedule", "bubble_fraction")
-REFUSED = "your answer called the library's reference"
-REFUSAL = REFUSED + " {name}; write your own"
-
-
-def _refusal(name):
-    """The code of a function that raises the refusal for ``name``. It only uses
-    builtins: swapped into the reference, it runs with the reference's globals."""
-    namespace = {}
-    exec(f"def {name}(*args, **kwargs):\n"
-         f"    raise RuntimeError({REFUSAL.format(name=name)!r})\n", namespace)
-    return namespace[name].__code__
-
-
-@contextlib.contextmanager
-def references_refused():
-    """While it lasts, the library's reference answers raise the refusal. Their code is
-    swapped, not their names, so every way to reach them refuses: ``pp.gpipe_schedule``,
-    ``distlab.reference.pp.gpipe_schedule``, ``pp.build_schedule``, ``pp.SCHEDULES``."""
-    from distlab import pp
-
-    saved = {}
-    try:
-        for name in REFERENCES:
-            fn = getattr(pp, name)
-            saved[fn] = fn.__code__
-            fn.__code__ = _refusal(name)
-        yield
-    finally:
-        for fn, code in saved.items():
-            fn.__code__ = code
-
-
 def answers(fn, cases):
-    """In a rank: ``fn(*args)`` for every case, the references refused, each as
-    {"value", "error"} (the exception's class name and message, or None)."""
+    """In a rank: ``fn(*args)`` for every case, each as {"value", "error"} (the
+    exception's class name and message, or None)."""
     out = []
     for args in cases:
         try:
-            with references_refused():
-                value = fn(*args)
+            value = fn(*args)
             out.append({"value": value, "error": None})
         except Exception as exc:
             out.append({"value": None, "error": [type(exc).__name__, str(exc)]})
@@ -214,13 +181,12 @@ def check_not_ints(fn, name, cases=CASES, not_ints=NOT_INTS):
 
 
 def check_own_answer(fn, name, cases=CASES):
-    """No case reached the library's reference (they refuse while the student's code
-    runs: :func:`answers`)."""
+    """No case reached the library's reference (absent while the student's code runs)."""
     for args in cases:
         got = outcome(fn, name, args, cases)
         if got["error"] and got["error"][0] == "NotImplementedError":
             raise NotImplementedError(got["error"][1])
-        assert not (got["error"] and got["error"][1].startswith(REFUSED)), (
+        assert not (got["error"] and REFUSAL in got["error"][1]), (
             f"{name}({', '.join(map(repr, args))}): {got['error'][1]} (the lab's "
             f"pp.{name} is the answer the grader compares with, not part of yours)")
 

@@ -86,15 +86,16 @@ def named(module):
 # ---------------------------------------------------------------------- in the ranks
 
 
-def train(run_stage, schedule, m, batch, members=None):
-    """STEPS SGD steps of this rank's stage with the student's ``run_stage``; plain data
-    back. With ``members`` (global ranks), the pipeline is the group of those ranks."""
+def train(run_stage, table, m, batch, members=None):
+    """STEPS SGD steps of this rank's stage with the student's ``run_stage`` on ``table``
+    (the library's, built in the test process: the schedules answer this lab's other
+    exercises, absent from the ranks); plain data back. With ``members`` (global ranks),
+    the pipeline is the group of those ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(members)) if members else None
     members = list(members or range(world))
     p = len(members)
     stage = pp.Stage(make_model(), members.index(rank) if rank in members else 0, p)
-    table = pp.build_schedule(schedule, p, m)
     before = {n: t.detach().clone() for n, t in named(stage.module)}
     losses, grads = [], None
     with CommLog() as log:
@@ -125,26 +126,31 @@ ERRORS = {
 }
 
 
-def error_case(run_stage, case):
-    """What run_stage does in ``case`` (of :data:`ERRORS`) on this rank: ("ValueError",
-    the name of another exception, or what it returned; the calls it made first)."""
+def error_sizes(case: str) -> tuple[int, int]:
+    """(stages, micro-batches) of ``case`` (of :data:`ERRORS`)."""
+    return (3 if case.startswith("a stage of a 3-stage cut") else 2,
+            3 if case.startswith("a batch of 2 rows") else 2)
+
+
+def error_case(run_stage, case, table):
+    """What run_stage does in ``case`` (of :data:`ERRORS`) with the GPipe ``table`` of its
+    sizes (:func:`error_sizes`) on this rank: ("ValueError", the name of another
+    exception, or what it returned; the calls it made first)."""
     rank = dist.get_rank()
     inputs, targets = LANG.batch(0, 6, SEQ)
-    index, stages, m = rank, 2, 2
+    index, (stages, _) = rank, error_sizes(case)
     if case.startswith("a batch of 2 rows"):
-        (inputs, targets), m = LANG.batch(0, 2, SEQ), 3
+        inputs, targets = LANG.batch(0, 2, SEQ)
     elif case.startswith("targets of another shape"):
         targets = targets[:, 1:]
     elif case.startswith("inputs and targets of one dimension"):
         inputs, targets = inputs.flatten(), targets.flatten()
-    elif case.startswith("a stage of a 3-stage cut"):
-        stages = 3
-    else:
+    elif not case.startswith("a stage of a 3-stage cut"):
         index = 1 - rank
     stage = pp.Stage(make_model(), index, stages)
     with CommLog() as log:
         try:
-            got = run_stage(stage, pp.build_schedule("gpipe", stages, m), inputs, targets)
+            got = run_stage(stage, table, inputs, targets)
         except NotImplementedError:
             raise
         except Exception as exc:
@@ -161,7 +167,8 @@ def check_raises(student, kind):
     for case in (c for c, k in ERRORS.items() if k == kind):
         what = f"run_stage on 2 ranks with {case}"
         try:
-            ranks = launch.run(error_case, 2, student.run_stage, case, backend="gloo",
+            ranks = launch.run(error_case, 2, student.run_stage, case,
+                               pp.build_schedule("gpipe", *error_sizes(case)), backend="gloo",
                                timeout=TIMEOUT / 2)
         except launch.LaunchTimeout:
             raise AssertionError(f"{what}: the stages waited for each other until the time "
@@ -249,8 +256,9 @@ def outcome(student, schedule, p, m, batch, members=None, world=None):
                                               first.stacks)
         else:
             try:
-                _runs[key] = launch.run(train, world or p, student.run_stage, schedule, m, batch,
-                                        members, backend="gloo", timeout=TIMEOUT)
+                _runs[key] = launch.run(train, world or p, student.run_stage,
+                                        pp.build_schedule(schedule, p, m), m, batch, members,
+                                        backend="gloo", timeout=TIMEOUT)
             except launch.LaunchTimeout as exc:
                 _deadlock.append(exc)
                 _runs[key] = exc
