@@ -204,7 +204,7 @@ def test_a_notebook_is_graded_on_exactly_its_labs_exercises(tmp_path):
 
 # --------------------------------------------------- 3. the library's own answers
 
-_CALLS = {  # lab 05's three exercises, each answered by the library in another way
+_CALLS = {  # lab 05's four exercises, each answered by the library in another way
     "zero_bytes_per_rank": (
         "from distlab.zero.memory import zero_bytes as _zb  # kept aside at import\n\n"
         "def zero_bytes_per_rank(*args, **kwargs):\n    return _zb(*args, **kwargs)\n"),
@@ -217,6 +217,9 @@ _CALLS = {  # lab 05's three exercises, each answered by the library in another 
     "zero2_step": (
         "def zero2_step(*args, **kwargs):\n    import distlab.reference.zero\n"
         "    return distlab.reference.zero.zero2_step(*args, **kwargs)\n"),
+    "ZeRO3Unit": (  # a fresh import of the module, in case the first was a stand-in
+        "def ZeRO3Unit(*args, **kwargs):\n    import importlib\n    import distlab.reference.fsdp\n"
+        "    return importlib.reload(distlab.reference.fsdp)._Unit(*args, **kwargs)\n"),
 }
 _CALL_TESTS = {
     "zero_bytes_per_rank": "def test_call(student):\n"
@@ -225,10 +228,13 @@ _CALL_TESTS = {
                    "    assert tuple(student.shard_range(10, 0, 2)) == (0, 5)\n",
     "zero2_step": "import torch\n\n\ndef test_call(student):\n"
                   "    student.zero2_step(torch.zeros(4), torch.ones(4), {}, lr=0.1)\n",
+    "ZeRO3Unit": "def test_call(student):\n    assert student.ZeRO3Unit() is not None\n",
 }
 
 
-def test_calling_or_reloading_the_librarys_answer_scores_zero(tmp_path):
+def test_calling_loading_or_reloading_the_librarys_answer_scores_zero(tmp_path):
+    """Kept aside at import, loaded afresh from its file, called, reloaded and subclassed:
+    the answers' modules are absent (stand-ins that refuse, no file), each scores 0."""
     tests = _tests(tmp_path, {name: "NOTEBOOK = '05_zero'\n" + text
                               for name, text in _CALL_TESTS.items()}, conftest=True)
     results, _ = _grade(tmp_path, _notebook(tmp_path, "05_zero", _CALLS), tests)
