@@ -14,7 +14,8 @@ from __future__ import annotations
 _RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ring:ring_all_gather",
          "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
 _SCHEDULES = ("distlab.pp.tables:gpipe_schedule", "distlab.pp.tables:one_f_one_b_schedule",
-              "distlab.pp.tables:bubble_fraction", "distlab.pp.tables:build_schedule")
+              "distlab.pp.tables:bubble_fraction", "distlab.pp.tables:build_schedule",
+              "distlab.pp.tables:SCHEDULES")
 # the two layers and Megatron's operators f and g they are built from (the notebook's warm-ups)
 _LAYERS = ("distlab.tp.layers:ColumnParallelLinear", "distlab.tp.layers:RowParallelLinear",
            "distlab.tp.fg:copy_to_group", "distlab.tp.fg:_CopyToGroup",
