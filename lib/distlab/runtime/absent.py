@@ -7,7 +7,8 @@ bytecode, no module object, no function or code object that a student's code cou
 by walking the heap (``gc.get_objects()``), a decorator's ``__wrapped__`` or a closure.
 Library code that imports an absent module still imports: each name it takes from it is
 a stand-in (:func:`stand_in`) that raises the refusal when it is called, instantiated,
-subclassed or asked for an attribute, and a test that reaches one scores "refused".
+subclassed, indexed or asked for an attribute (:class:`AbsentAttribute`, which
+``hasattr`` takes for a missing one), and a test that reaches one scores "refused".
 
 A name set by :func:`install` is absent from the moment of the call; one already imported
 cannot be made absent (its objects are live): :func:`install` raises rather than pretend.
@@ -34,6 +35,13 @@ def _special(name: str) -> bool:
     return name.startswith("__") and name.endswith("__") and name not in _INTROSPECTION
 
 
+class AbsentAttribute(AttributeError):
+    """An attribute of an absent module or of a stand-in: missing, and saying why. An
+    AttributeError, so that ``hasattr`` and ``getattr(x, name, default)`` (which
+    :func:`inspect.getmodule` and :func:`inspect.unwrap` use on every module and
+    function) see it as missing rather than fail."""
+
+
 class _Refusing(type):
     """The type of a stand-in: calling it, indexing or iterating it (a table), or any
     attribute it lacks, raises."""
@@ -44,7 +52,7 @@ class _Refusing(type):
     def __getattr__(cls, name: str):
         if _special(name):
             raise AttributeError(name)
-        raise RuntimeError(cls._refusal)
+        raise AbsentAttribute(cls._refusal)
 
     __getitem__ = __iter__ = __len__ = __contains__ = __call__
 
@@ -67,7 +75,8 @@ class AbsentModule(types.ModuleType):
         if _special(name):
             raise AttributeError(name)
         if name in _INTROSPECTION:  # where its file would be: nowhere to read
-            raise RuntimeError(f"{self.__dict__['_refusal']} ({self.__name__}): write your own")
+            raise AbsentAttribute(f"{self.__dict__['_refusal']} ({self.__name__}): write "
+                                  f"your own")
         value = stand_in(self.__name__, name, self.__dict__["_refusal"])
         setattr(self, name, value)
         return value
