@@ -37,7 +37,7 @@ TEST_WORKERS ?= 3
 STAMP := $(VENV)/.distlab-installed
 EXTRAS_SPEC := .$(EXTRAS)
 
-.PHONY: help setup lab test test-browser grade nbval labs bench acceptance clean
+.PHONY: help setup lab test test-mutants test-browser grade nbval labs bench acceptance clean
 
 help: ## list the targets
 	@echo "distlab — make targets"
@@ -66,8 +66,11 @@ setup: $(STAMP) ## create .venv and install the kit (CPU torch where there is no
 lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/ (as root too; on a remote machine it prints the SSH tunnel to open)
 	$(PY) -m distlab.jupyter $(LAB_DIR) $(LAB_ARGS)
 
-test: $(STAMP) ##! run every test: library, autograder, notebooks (nbval), browser when available
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --nbval --nbval-current-env tests solutions $(PYTEST_ARGS)
+test: $(STAMP) ##! the tests that gate a change: library, autograder, notebooks (nbval), browser when available (not the held-back mutants: make test-mutants)
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --nbval --nbval-current-env --ignore-glob='tests/test_mutants_*' tests solutions $(PYTEST_ARGS)
+
+test-mutants: $(STAMP) ##! every held-back wrong answer graded: each exercise's checks name its mistake (CI runs it after make test)
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/test_mutants_*.py $(PYTEST_ARGS)
 
 test-browser: $(STAMP) ##! only the browser test: JupyterLab in headless Chromium
 	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)

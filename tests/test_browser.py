@@ -275,9 +275,7 @@ def test_setup_lab_as_a_student_sees_it(lab, page):
 def test_ring_stepper_as_a_student_sees_it(lab, page):
     from playwright.sync_api import expect
 
-    cells = check_student_view(page, lab, RING)
-    assert any(o["mime"] == "image/png" for c in cells for o in c["outputs"]), (
-        f"{RING}: no plot is drawn")
+    cells = check_student_view(page, lab, RING)  # its plots too, cell by cell
 
     stepper = page.locator(".jp-OutputArea-output").filter(
         has=page.locator('.widget-button:text-is("next")')).first
