@@ -79,8 +79,19 @@ def walk(wanted):
 
 _REPORT = '''
 
+def _checking_the_import():
+    """Whether this import is the grader's check of it: once per exercise, one rank."""
+    frame = _sys._getframe()
+    while frame is not None:
+        if (frame.f_code.co_name == "_import"
+                and frame.f_globals.get("__name__") == "distlab.grading.student"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 _graded = _sys.modules["distlab.grading.student"]._graded[0]
-if WANTED.get(_graded) and __import__("os").environ.get("RANK", "0") == "0":  # one a launch
+if WANTED.get(_graded) and _checking_the_import():
     _n, _found = walk(WANTED[_graded])
     if _found or not _n:
         raise RuntimeError(f"walk of {_graded}: {_n} code objects of an answer's size, "

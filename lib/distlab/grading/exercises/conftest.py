@@ -76,7 +76,7 @@ def student(request, tmp_path_factory):
         path.write_text(notebook.module_source(nb))
         path.chmod(0o644)
     exercise = exercise_of(str(request.module.__file__))
-    student = Student(path, exercise)  # its ranks refuse the library's answers to exercise
+    student = Student(path, exercise)  # its ranks never hold the library's answers to it
     if (str(path), exercise) not in _imported:  # once per exercise, in a sandboxed rank
         student.check_import()
         _imported.add((str(path), exercise))
