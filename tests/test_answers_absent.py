@@ -23,3 +23,22 @@ def test_the_walk_finds_the_answers_where_they_are_loaded():
         assert bool(wanted[exercise]) == bool(refs), exercise
         missed = [q for f, (q, _) in wanted[exercise].items() if f not in codes]
         assert not missed, (exercise, missed)
+
+
+def test_exercises_share_a_run_only_when_their_answers_are_the_same_modules():
+    """A run makes its exercises' answers absent together: only exercises answered by the
+    same modules share one, and never one whose ranks import those modules."""
+    from distlab.grading import labs, runner
+
+    every = labs.exercises()
+    needs = {n: set(labs.rank_imports(labs.TESTS / f"test_{n}.py"))
+             for names in every.values() for n in names}
+    assert runner.run_groups(list(every["03_ring_allreduce"]), needs) == [
+        ["ring_reduce_scatter", "ring_all_gather", "ring_allreduce"]]
+    assert runner.run_groups(list(every["06_tensor_parallel"]), needs) == [
+        ["ColumnParallelLinear", "RowParallelLinear"], ["vocab_parallel_cross_entropy"]]
+    assert len(runner.run_groups(list(every["05_zero"]), needs)) == 4
+    held = answers.modules_of(["ring_allreduce"])
+    assert runner.run_groups(["ring_reduce_scatter", "ring_allreduce"],
+                             {"ring_reduce_scatter": set(), "ring_allreduce": {held[0]}}) == [
+        ["ring_reduce_scatter"], ["ring_allreduce"]]

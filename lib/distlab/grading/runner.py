@@ -220,6 +220,23 @@ def memory_limit_mb() -> int:
     return max(2048, total // 8)
 
 
+def run_groups(exercises: list[str], needs: dict[str, set[str]]) -> list[list[str]]:
+    """``exercises`` in groups that one contained run can grade together: those whose
+    answers are in the same modules (lab 03's three, the two layers of lab 06, lab 07's
+    schedules), so that the ranks of each lack exactly its own answers; and none whose
+    ranks import (``needs``, its tests' ``RANK_IMPORTS``) one of those modules. In the
+    order given."""
+    groups: list[list[str]] = []
+    for name in exercises:
+        held = answers.modules_of([name])
+        group = next((g for g in groups if answers.modules_of(g[:1]) == held), None)
+        if group is None or any(needs[n] & set(held) for n in group + [name]):
+            groups.append([name])
+        else:
+            group.append(name)
+    return groups
+
+
 NOTEBOOK_TIMEOUT = 4 * EXERCISE_TIMEOUT  # seconds for all the exercises of one notebook
 
 
@@ -229,9 +246,10 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
           hidden: HiddenTests | None = None) -> list[Result]:
     """Grade the notebook at ``path`` on exactly its lab's exercises (the lab is named by
     the file name, its exercises by the tests of ``tests_dir`` that declare it,
-    :func:`distlab.grading.labs.exercises`; never by the notebook): one contained pytest
-    run per exercise, over its test files, whose ranks never hold the library's answers to
-    it (:func:`distlab.grading.answers.absent_spec`), its tests limited to ``timeout``
+    :func:`distlab.grading.labs.exercises`; never by the notebook): a contained pytest
+    run per group of exercises (:func:`run_groups`; one for most labs), whose ranks never
+    hold the library's answers to them (:func:`distlab.grading.answers.absent_spec`), each
+    exercise's tests limited to ``timeout``
     seconds, each graded rank's data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
     is missing, or does not compile (:func:`distlab.grading.notebook.compile_problem`),
     scores 0 of its tests, counted and not run; an exercise cell of another lab is reported
@@ -291,33 +309,44 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
         every_file = [f for n in wanted if n not in missing
                       for f in (files[n], *extra.get(n, ()))]
-        # one contained run per exercise, whose ranks' fork server never held its answers
-        # (distlab.runtime.absent); the first also collects (never runs) every other
-        # exercise's tests, so that each is counted even where the notebook's time runs out
-        for i, name in enumerate(to_run or [None]):
-            mine = [files[name], *extra.get(name, ())] if name else []
-            if time.monotonic() >= deadline:
-                break
-            spec_dir = Path(tmp) / f"run{i}"
+        needs = {n: {m for f in (files[n], *extra.get(n, ())) for m in labs.rank_imports(f)}
+                 for n in to_run}
+        pending = run_groups(to_run, needs) or [[]]
+        # one contained run per group, whose ranks' fork server never held the answers to
+        # any exercise of it (distlab.runtime.absent); the first also collects (never
+        # runs) every other exercise's tests, so that each is counted even where the
+        # notebook's time runs out
+        made = 0
+        while pending and time.monotonic() < deadline:
+            group = pending.pop(0)
+            mine = [f for n in group for f in (files[n], *extra.get(n, ()))]
+            spec_dir = Path(tmp) / f"run{made}"
             spec_dir.mkdir(mode=0o755)
             run_env = dict(env, **sandbox.rank_sandbox(
-                spec_dir, module, user, prelude, sorted({m for f in mine
-                                                         for m in labs.rank_imports(f)}),
-                hidden.unseen if hidden else ()))
-            run_env[absent.ENV] = json.dumps(answers.absent_spec([name] if name else []))
+                spec_dir, module, user, prelude,
+                sorted(set().union(*(needs[n] for n in group))), hidden.unseen if hidden else ()))
+            run_env[absent.ENV] = json.dumps(answers.absent_spec(group))
             start = time.monotonic()
             code, out, got, stopped = _run_reported(
-                [f"--distlab-untouched={','.join(n for n in wanted if n != name)}",
+                [f"--distlab-untouched={','.join(n for n in wanted if n not in group)}",
                  f"--distlab-exercise-timeout={timeout}",
                  *(["--maxfail=1"] if first_failure else []),
-                 *map(str, every_file if i == 0 else mine)],
-                run_env, min(timeout + 120, deadline - time.monotonic()), tests_dir, timeout)
+                 *map(str, every_file if made == 0 else mine)],
+                run_env, min(timeout * max(len(group), 1) + 120, deadline - time.monotonic()),
+                tests_dir, timeout)
+            made += 1
             records += got
-            if name:
-                seconds[name] = time.monotonic() - start
-                runs[name] = (code, out, any(r.get("end") for r in got))
-                if stopped:
-                    overran.add(name)
+            started = [r["start"] for r in got if "start" in r]
+            ended = any(r.get("end") for r in got)
+            for name in group:  # an exercise that never started in a stopped run runs again
+                if name in started or not stopped:
+                    runs[name] = (code, out, ended)
+                    seconds[name] = (time.monotonic() - start) / len(group)
+            if stopped:
+                overran.add(stopped)
+                rest = [name for name in group if name not in started]
+                if rest:
+                    pending.append(rest)
     out_of_time = time.monotonic() >= deadline
     collected: dict[str, dict] = {}
     for r in records:

@@ -9,6 +9,8 @@ from distlab import pp
 from pp_cases import GRID, first_tests, last_tests, student_table
 
 NOTEBOOK = "07_pipeline_parallel"
+# its tables are executed by the stage runtime (run_stage's answer) in its ranks
+RANK_IMPORTS = ("distlab.pp.runtime",)
 # The hint to open (lab 07, section 3) beside each test's failure: 1 the cool-down's
 # backwards, 2 the recipe, 3 the sizes that must raise.
 HINTS = {"test_returns_one_list_of_actions_per_stage": 2,
