@@ -110,7 +110,9 @@ def answer_codes(exercise: str) -> dict[str, tuple[str, int]]:
         module, name = reference.split(":")
         todo = [getattr(importlib.import_module(module), name)]
         while todo:
-            obj = inspect.unwrap(todo.pop()) if callable(todo[-1]) else todo.pop()
+            obj = todo.pop()
+            if callable(obj):
+                obj = inspect.unwrap(obj)
             if isinstance(obj, type):
                 todo += [v for v in vars(obj).values()
                          if getattr(v, "__module__", module) == module]

@@ -86,6 +86,6 @@ def modules_of(exercises) -> list[str]:
 
 def absent_spec(exercises) -> dict:
     """What the graded ranks' fork server makes absent (:data:`distlab.runtime.absent.ENV`):
-    the answers to the lab's ``exercises`` before it imports anything, then every other
+    the answers to the run's ``exercises`` before it imports anything, then every other
     answer module that the ranks' preloads did not import."""
     return {"modules": modules_of(exercises), "later": hidden_modules(), "message": REFUSAL}

@@ -249,9 +249,8 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     :func:`distlab.grading.labs.exercises`; never by the notebook): a contained pytest
     run per group of exercises (:func:`run_groups`; one for most labs), whose ranks never
     hold the library's answers to them (:func:`distlab.grading.answers.absent_spec`), each
-    exercise's tests limited to ``timeout``
-    seconds, each graded rank's data to ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell
-    is missing, or does not compile (:func:`distlab.grading.notebook.compile_problem`),
+    exercise's tests limited to ``timeout`` seconds, each graded rank's data to
+    ``memory_mb`` MiB (default :func:`memory_limit_mb`). An exercise whose cell is missing, or does not compile (:func:`distlab.grading.notebook.compile_problem`),
     scores 0 of its tests, counted and not run; an exercise cell of another lab is reported
     as ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
     ``first_failure``: stop at the first failing test (the message a student reads first;

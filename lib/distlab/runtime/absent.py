@@ -120,17 +120,12 @@ def install(names, message: str) -> None:
     _finder.names.update(names)
 
 
-def from_env(env=os.environ) -> dict | None:
-    """The absent modules that :data:`ENV` names, or None."""
-    return json.loads(env[ENV]) if env.get(ENV) else None
-
-
 def install_from_env(stage: str, env=os.environ) -> None:
-    """``stage`` "modules": the graded lab's answers, before anything is imported for the
-    ranks; "later": every other answer module not imported by then (its source is absent
-    from the ranks' filesystem as well)."""
-    spec = from_env(env)
-    if spec:
+    """Install what :data:`ENV` names for ``stage``: "modules", the graded exercises'
+    answers, before anything is imported for the ranks; "later", every other answer
+    module not imported by then (its source is absent from the ranks' filesystem too)."""
+    if env.get(ENV):
+        spec = json.loads(env[ENV])
         names = spec[stage] if stage == "modules" else [
             n for n in spec[stage] if n not in sys.modules]
         install(names, spec["message"])

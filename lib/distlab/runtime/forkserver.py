@@ -191,7 +191,6 @@ class ForkServer:
                             os.close(fd)
                         except OSError:  # the listing's own descriptor, already closed
                             pass
-                absent.install_from_env("modules")
                 prepare()
                 serve(theirs)
                 code = 0
@@ -390,7 +389,9 @@ def _import_shared() -> None:
 
 
 def prepare() -> None:
-    """Import what every rank needs. Nothing here may start a thread or touch CUDA."""
+    """Import what every rank needs, the graded exercises' answers made absent first
+    (:mod:`distlab.runtime.absent`). Nothing here may start a thread or touch CUDA."""
+    absent.install_from_env("modules")
     _import_shared()
     from distlab import comm  # noqa: F401
     from distlab.runtime import confine, privileges, worker  # noqa: F401
@@ -429,7 +430,6 @@ def serve(sock: socket.socket) -> None:
 
 def main() -> None:
     sock = socket.socket(fileno=int(os.environ.pop("DISTLAB_FORKSERVER_FD")))
-    absent.install_from_env("modules")
     prepare()
     serve(sock)
 
