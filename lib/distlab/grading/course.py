@@ -1,6 +1,7 @@
 """The labs as an nbgrader course, with the kit's grader as nbgrader's autograder.
 
     python -m distlab.grading.course COURSE_DIR [--lab 00_setup --lab 04_data_parallel]
+    python -m distlab.grading.course release OUT --through NN   # the student edition
 
 writes each solution notebook as the nbgrader assignment of the same name,
 ``COURSE_DIR/source/NN_name/NN_name.ipynb``, with an autograder cell after each exercise
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import nbformat
 
-from distlab.grading import labs, notebook, output, runner
+from distlab.grading import edition, labs, notebook, output, runner
 from distlab.grading.hidden import hidden_tests as instructors_tests
 
 SOLUTIONS = Path(__file__).resolve().parents[3] / "solutions"  # in a checkout of the kit
@@ -166,6 +167,9 @@ def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["release"]:
+        return edition.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m distlab.grading.course", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("course", type=Path, help="the nbgrader course directory")

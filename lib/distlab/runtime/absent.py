@@ -21,8 +21,10 @@ import json
 import os
 import sys
 import types
+from pathlib import Path
 
 ENV = "DISTLAB_ABSENT"  # JSON: {"modules": [...], "later": [...], "message": "..."}
+EDITION = Path(__file__).resolve().parents[1] / "edition.json"  # a student edition's
 
 
 # what a function or module would answer about its code: a stand-in refuses these too
@@ -85,9 +87,8 @@ class AbsentModule(types.ModuleType):
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """First on ``sys.meta_path``: the absent names resolve to :class:`AbsentModule`."""
 
-    def __init__(self, message: str):
-        self.names: set[str] = set()
-        self.message = message
+    def __init__(self):
+        self.names: dict[str, str] = {}  # absent module → why
 
     def find_spec(self, name, path=None, target=None):
         if name in self.names:
@@ -96,7 +97,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         module = AbsentModule(spec.name)
-        module.__dict__["_refusal"] = self.message
+        module.__dict__["_refusal"] = self.names[spec.name]
         return module
 
     def exec_module(self, module) -> None:
@@ -108,16 +109,17 @@ _finder: _Finder | None = None
 
 def install(names, message: str) -> None:
     """Make the modules ``names`` absent from this process from now on (and from every
-    process it forks). Raises RuntimeError naming any of them already imported."""
+    process it forks), refusing with ``message``. Raises RuntimeError naming any of them
+    already imported."""
     global _finder
     loaded = sorted(n for n in names if n in sys.modules
                     and not isinstance(sys.modules[n], AbsentModule))
     if loaded:
         raise RuntimeError(f"cannot make {', '.join(loaded)} absent: already imported here")
     if _finder is None:
-        _finder = _Finder(message)
+        _finder = _Finder()
         sys.meta_path.insert(0, _finder)
-    _finder.names.update(names)
+    _finder.names.update(dict.fromkeys(names, message))
 
 
 def install_from_env(stage: str, env=os.environ) -> None:
@@ -129,3 +131,13 @@ def install_from_env(stage: str, env=os.environ) -> None:
         names = spec[stage] if stage == "modules" else [
             n for n in spec[stage] if n not in sys.modules]
         install(names, spec["message"])
+
+
+def install_edition(manifest: Path = EDITION) -> None:
+    """In a student edition (:mod:`distlab.grading.edition`), make the answer modules it
+    withholds absent: their files are not there, and importing one gives a module whose
+    names refuse, saying which lab they answer. Nothing in the full kit."""
+    if manifest.is_file():
+        for module, lab in json.loads(manifest.read_text())["withheld"].items():
+            install([module], f"not in this edition of the kit: it answers lab {lab}, whose "
+                              f"answers your instructor hands out after its deadline")
