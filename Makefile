@@ -37,7 +37,7 @@ TEST_WORKERS ?= 3
 STAMP := $(VENV)/.distlab-installed
 EXTRAS_SPEC := .$(EXTRAS)
 
-.PHONY: help setup lab test test-mutants test-browser grade nbval labs bench acceptance clean
+.PHONY: help setup lab test test-mutants test-browser grade nbval labs edition bench acceptance clean
 
 help: ## list the targets
 	@echo "distlab — make targets"
@@ -84,6 +84,10 @@ nbval: $(STAMP) ##! check that the solution notebooks reproduce their outputs
 labs: $(STAMP) ##! regenerate labs/ from solutions/; refuses to overwrite a lab someone edited (FORCE=1: overwrite, keeping a copy)
 	$(PY) -m distlab.grading.labs render solutions --readme README.md
 	$(PY) -m distlab.grading.notebook release solutions labs $(if $(FORCE),--force)
+
+edition: $(STAMP) ##! write the student edition through lab THROUGH (none, 00, 01 ...) to OUT (default ../distlab-through-THROUGH)
+	$(if $(THROUGH),,$(error name the last lab whose answers it holds: make edition THROUGH=04, or THROUGH=none))
+	$(PY) -m distlab.grading.course release $(or $(OUT),../distlab-through-$(THROUGH)) --through $(THROUGH)
 
 bench: $(STAMP) ## launch cost, bandwidth sweeps of the collectives and the ring (CPU-sized; GPU goals: make acceptance)
 	$(PY) -m distlab.bench.launch

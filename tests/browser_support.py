@@ -85,13 +85,15 @@ from distlab.bench.trace import Span, Timeline
 from distlab.viz.pipeline import PipelineExplorer
 from distlab.viz.timeline import TimelinePicker
 from distlab.viz.zero import MemoryCalculator
+from distlab.zero.memory import zero_bytes as zero_bytes_per_rank  # for lab 05's answer
 import dataclasses
 from distlab import planner
 from distlab.viz.planner import Planner
 
 P, M = 4, 8      # lab 07's measured step: the ideal clock at 30 ms per forward
+SCHEDULES = {"gpipe": pp.gpipe_schedule, "1f1b": pp.one_f_one_b_schedule}  # lab 07's answers
 measured = {pp.TITLES[name]: [dict(e, start=0.03 * e["start"], end=0.03 * e["end"])
-                              for e in pp.simulate(pp.build_schedule(name, P, M))]
+                              for e in pp.simulate(SCHEDULES[name](P, M))]
             for name in ("gpipe", "1f1b")}
 
 
@@ -124,11 +126,12 @@ LLAMA = planner.Plan(planner.Model(layers=126, d_model=16384, heads=128, vocab=1
                      peak_flops=989.4e12, intra_bw=370e9, inter_bw=50e9)
 LLAMA_RECOMPUTE = dataclasses.replace(LLAMA, recompute=True)'''
 WIDGET_CELLS = {
-    "MemoryCalculator": "MemoryCalculator(num_params=7.5e9, world_size=64)",
+    "MemoryCalculator": ("MemoryCalculator(num_params=7.5e9, world_size=64, "
+                         "zero_bytes=zero_bytes_per_rank)"),
     "PipelineExplorer": (
         "BY_TITLE = {title: name for name, title in pp.TITLES.items()}\n"
-        "PipelineExplorer(lambda title, stages, m: pp.simulate(pp.build_schedule("
-        "BY_TITLE[title], stages, m)),\n                 measured, p=P, m=M)"),
+        "PipelineExplorer(lambda title, stages, m: pp.simulate(SCHEDULES[BY_TITLE[title]]("
+        "stages, m)),\n                 measured, p=P, m=M)"),
     "TimelinePicker": 'TimelinePicker(timelines, description="buckets")',
     "Planner": "Planner(LLAMA_RECOMPUTE)",
 }

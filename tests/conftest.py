@@ -5,6 +5,8 @@
 - The exercises' shared cases (``dp_cases``, ``tp_cases``...) import as the grader's
   pytest imports them, from the folder of the exercise tests.
 - Every run records how long each unit of work took (``durations.py``).
+- Each solution notebook runs under nbval inside the student edition its students have
+  (``editions.py``): lab k with the library of the edition through lab k-1.
 - How ``make test`` (``--dist loadfile --no-loadscope-reorder``) spreads the work over
   its workers: in units (``durations.unit``). A unit is a file (a module's fixtures are
   built once, a notebook's cells share a kernel), except in the files of ``SPLIT``, whose
@@ -23,6 +25,7 @@ from distlab.grading.runner import TESTS
 sys.path.insert(0, str(TESTS))
 
 from durations import Durations, unit  # noqa: E402  (tests/ is on sys.path)
+from editions import EditionKernels  # noqa: E402
 # Units known to take longest (build/durations.json of a run shows them), first to go.
 HEAVY = ["tests/test_grading_solutions.py", "solutions/", "tests/test_mutants_",
          "tests/test_grader_security.py", "tests/test_nbgrader.py", "tests/test_browser.py",
@@ -31,6 +34,7 @@ HEAVY = ["tests/test_grading_solutions.py", "solutions/", "tests/test_mutants_",
 
 def pytest_configure(config):
     config.pluginmanager.register(Durations(), "distlab-durations")
+    config.pluginmanager.register(EditionKernels(), "distlab-edition-kernels")
 
 
 def _rank(name: str) -> int:

@@ -8,9 +8,8 @@ exercise cell, or the library code :data:`distlab.grading.answers.ANSWERS` refus
 grading it) under another name. Bodies are compared as ASTs with the docstring dropped
 and the local names renamed in order of appearance, so renaming variables does not hide
 a copy. The answers
-live in :mod:`distlab.reference` and the private ``_reference`` modules of lab 10, which
-the labs name only to say that reading them before grading defeats the exercise; they
-are not checked here.
+live in the modules :data:`~distlab.grading.answers.ANSWERS` names, which the labs name only to say that reading them before
+grading defeats the exercise; they are not checked here.
 """
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ def _module_file(name: str) -> Path | None:
 
 def _private(name: str) -> bool:
     """The answers' modules: those of the manifest, each holding only answers, absent
-    while their exercise is graded (and :mod:`distlab.reference`, the package most of
-    them are in)."""
-    return name in hidden_modules() or name == "distlab.reference"
+    while their exercise is graded."""
+    return name in hidden_modules()
 
 
 def submodules(package: str) -> set[str]:
@@ -83,8 +81,7 @@ def _mentioned(cell) -> set[str]:
 def named_modules(lab_dir: Path = ROOT / "labs") -> dict[str, set[str]]:
     """Module → the labs that show it to a student (:func:`_mentioned`: named in
     markdown or imported by a code cell), or show the package whose ``__init__`` imports
-    from it (:func:`submodules`); :mod:`distlab.reference` and ``_reference`` modules
-    left out."""
+    from it (:func:`submodules`); the answers' modules (:func:`_private`) left out."""
     found: dict[str, set[str]] = {}
     for path in sorted(lab_dir.glob("*.ipynb")):
         for cell in nbformat.read(path, as_version=4).cells:
@@ -141,14 +138,17 @@ def functions(tree: ast.AST):
 
 def reference_bodies(solutions: Path = ROOT / "solutions") -> dict[str, str]:
     """Normalized body → "exercise (where)", for every function of every exercise's
-    solution cell and of the library code that answers it."""
+    solution cell (but those the lab hands out whole, outside the answer's regions: a
+    skeleton's ``forward``) and of the library code that answers it."""
     bodies: dict[str, str] = {}
     for path in sorted(solutions.glob("*.ipynb")):
         for cell in nbformat.read(path, as_version=4).cells:
             name = notebook.grade_id(cell)
             if cell.cell_type == "code" and name:
+                given = {body_key(fn) for _, fn in functions(
+                    ast.parse(notebook.clear_solutions(cell.source)))}
                 for qual, fn in functions(ast.parse(cell.source)):
-                    if (key := body_key(fn)):
+                    if (key := body_key(fn)) and key not in given:
                         bodies.setdefault(key, f"{name} (solutions/{path.name}: {qual})")
     for exercise, refs in labs.ANSWERS.items():
         for ref in refs:
@@ -183,9 +183,8 @@ def kit():
 def test_the_labs_name_modules_and_the_check_sees_them():
     named = named_modules()
     assert {"distlab.zero", "distlab.dp", "distlab.zero.memory"} <= set(named), sorted(named)
-    assert not any(m.startswith("distlab.reference") for m in named)
     assert "distlab.moe.layer" in named, "a named package's submodules are named too"
-    assert not any(m.endswith("._reference") for m in named)
+    assert not set(named) & set(hidden_modules())
 
 
 def test_no_module_a_lab_names_holds_an_answer(kit):
@@ -196,21 +195,21 @@ def test_no_module_a_lab_names_holds_an_answer(kit):
         if bad:
             found[f"{module} (shown by {', '.join(sorted(where))})"] = bad
     assert not found, ("modules the labs show students hold answers; move them to "
-                       f"distlab.reference and re-export: {found}")
+                       f"a module of answers the manifest names: {found}")
 
 
 def test_the_check_finds_a_copied_answer_under_another_name(kit):
     """The check can fail: zero2_step's and DataParallel's code pasted under other names
     and other variable names, and a class named like an exercise, are each found."""
     names, bodies = kit
-    source = (ROOT / "lib/distlab/reference/zero.py").read_text()
+    source = (ROOT / "lib/distlab/zero/step.py").read_text()
     tree = ast.parse(source)
     step = next(fn for qual, fn in functions(tree) if qual == "zero2_step")
     step.name = "sharded_adamw_update"
     renamed = ast.unparse(step).replace("layout", "lay").replace("shard", "piece")
     found = answers_in(renamed, names, bodies)
     assert found and "zero2_step" in found[0], found
-    dp = ast.parse((ROOT / "lib/distlab/dp/ddp.py").read_text())
+    dp = ast.parse((ROOT / "lib/distlab/dp/bucketed.py").read_text())
     launch = next(fn for qual, fn in functions(dp) if qual == "DataParallel._launch")
     launch.name = "issue"
     found = answers_in(ast.unparse(launch), names, bodies)

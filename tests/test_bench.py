@@ -98,6 +98,17 @@ def test_sweep_rows_follow_nccl_tests():
                               "busbw(GB/s)", "1", "call(us)"]
 
 
+def _halved_busbw(op, nbytes, seconds, world_size):
+    return nbytes / seconds / 2
+
+
+def test_sweep_takes_the_bus_bandwidth_it_is_given():
+    """Lab 01 passes its own bus_bandwidth: the rows' busbw is what it returns."""
+    rows = launch.run(bench.sweep, 2, ("all_reduce", "broadcast"), [4096], warmup=1, iters=2,
+                      bus_bandwidth=_halved_busbw, backend="gloo", timeout=60)[0]
+    assert [r.busbw for r in rows] == pytest.approx([r.algbw / 2 for r in rows])
+
+
 def _raw_api_on_gloo():
     with pytest.raises(ValueError, match=r"api='torch'"):
         bench.sweep(("all_reduce",), [64], api="nccl")

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import launch
-from distlab.collectives import broadcast
+from distlab.collectives import broadcast, broadcast_model
 from distlab.comm import CommLog
 from distlab.grading import expect_close
 
@@ -57,20 +57,20 @@ def _simulated_steps(k, s):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_step_count_matches_a_simulated_pipeline(k):
     for s in (1, 2, 5, 16):
-        assert broadcast.steps(k, s) == _simulated_steps(k, s), (k, s)
+        assert broadcast_model.steps(k, s) == _simulated_steps(k, s), (k, s)
 
 
 def test_model_time_and_the_best_chunk_count():
     n, bw, alpha = 64e6, 10e9, 20e-6
     for k in (2, 4, 8):
-        no_latency = [broadcast.model_seconds(n, k, s, bw) for s in (1, 2, 4, 1000)]
+        no_latency = [broadcast_model.model_seconds(n, k, s, bw) for s in (1, 2, 4, 1000)]
         assert no_latency == sorted(no_latency, reverse=True)  # lecture: more chunks, faster
         assert no_latency[0] == pytest.approx((k - 1) * n / bw)  # one chunk: store and forward
-        best = broadcast.best_chunks(n, k, bw, alpha)
-        brute = min(range(1, 5000), key=lambda s: broadcast.model_seconds(n, k, s, bw, alpha))
-        assert broadcast.model_seconds(n, k, best, bw, alpha) == pytest.approx(
-            broadcast.model_seconds(n, k, brute, bw, alpha))
-    assert broadcast.best_chunks(n, 2, bw, alpha) == 1  # two ranks: chunking cannot help
+        best = broadcast_model.best_chunks(n, k, bw, alpha)
+        brute = min(range(1, 5000), key=lambda s: broadcast_model.model_seconds(n, k, s, bw, alpha))
+        assert broadcast_model.model_seconds(n, k, best, bw, alpha) == pytest.approx(
+            broadcast_model.model_seconds(n, k, brute, bw, alpha))
+    assert broadcast_model.best_chunks(n, 2, bw, alpha) == 1  # two ranks: chunking cannot help
 
 
 def _bad_inputs():
@@ -90,7 +90,7 @@ def test_fit_recovers_the_model():
     n, k = 4 << 20, 4
     for alpha, bw in ((1e-3, 2e9), (5e-6, 4e11)):
         counts = [1, 2, 4, 8, 16, 64]
-        times = [broadcast.model_seconds(n, k, s, bw, alpha) for s in counts]
-        got_alpha, got_bw = broadcast.fit(n, k, counts, times)
+        times = [broadcast_model.model_seconds(n, k, s, bw, alpha) for s in counts]
+        got_alpha, got_bw = broadcast_model.fit(n, k, counts, times)
         assert got_alpha == pytest.approx(alpha, rel=1e-6)
         assert got_bw == pytest.approx(bw, rel=1e-6)

@@ -210,16 +210,16 @@ _CALLS = {  # lab 05's four exercises, each answered by the library in another w
         "def zero_bytes_per_rank(*args, **kwargs):\n    return _zb(*args, **kwargs)\n"),
     "shard_range": (
         "def shard_range(*args):  # a fresh copy of the library's module, from its file\n"
-        "    import importlib.util\n    import distlab.reference.shards\n"
-        "    spec = importlib.util.spec_from_file_location('mine', distlab.reference.shards.__file__)\n"
+        "    import importlib.util\n    import distlab.shards\n"
+        "    spec = importlib.util.spec_from_file_location('mine', distlab.shards.__file__)\n"
         "    module = importlib.util.module_from_spec(spec)\n"
         "    spec.loader.exec_module(module)\n    return module.shard_range(*args)\n"),
     "zero2_step": (
-        "def zero2_step(*args, **kwargs):\n    import distlab.reference.zero\n"
-        "    return distlab.reference.zero.zero2_step(*args, **kwargs)\n"),
+        "def zero2_step(*args, **kwargs):\n    import distlab.zero.step\n"
+        "    return distlab.zero.step.zero2_step(*args, **kwargs)\n"),
     "ZeRO3Unit": (  # a fresh import of the module, in case the first was a stand-in
-        "def ZeRO3Unit(*args, **kwargs):\n    import importlib\n    import distlab.reference.fsdp\n"
-        "    return importlib.reload(distlab.reference.fsdp)._Unit(*args, **kwargs)\n"),
+        "def ZeRO3Unit(*args, **kwargs):\n    import importlib\n    import distlab.zero.fsdp\n"
+        "    return importlib.reload(distlab.zero.fsdp)._Unit(*args, **kwargs)\n"),
 }
 _CALL_TESTS = {
     "zero_bytes_per_rank": "def test_call(student):\n"
@@ -277,6 +277,78 @@ def test_an_answer_reached_through_its_decorator_scores_zero(tmp_path, route):
     r = results["ps_sgd_step"]
     assert (r["points"], r["verdict"]) == (0, "refused"), r
     assert r["max_points"] >= 7 and r["message"].startswith(answers.REFUSAL), r
+
+
+
+# Rebuild an answer from whatever code object of it can be found in the rank: every
+# function's code, every code object the collector knows, their nested constants, each
+# through marshal (as a cell would carry it out of one process into another); a class
+# from its methods' code. The cell binds every exercise of its lab to its rebuilt answer.
+_REBUILD = """
+import gc, marshal, sys, types
+import torch
+import torch.distributed as dist
+from distlab.grading import answers as _answers
+
+def _codes():
+    stack = [o for o in gc.get_objects() if isinstance(o, types.CodeType)]
+    stack += [o.__code__ for o in gc.get_objects() if isinstance(o, types.FunctionType)]
+    for m in list(sys.modules.values()):
+        stack += [v.__code__ for v in list(getattr(m, "__dict__", {}).values())
+                  if isinstance(v, types.FunctionType)]
+    seen = set()
+    while stack:
+        code = stack.pop()
+        if id(code) not in seen:
+            seen.add(id(code))
+            yield code
+            stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+
+def _rebuild(exercise):
+    scope = {"torch": torch, "dist": dist, "__builtins__": __builtins__}
+    for ref in _answers.ANSWERS[exercise]:
+        name = ref.split(":")[1]
+        parts = {c.co_qualname: c for c in _codes() if c.co_qualname == name
+                 or c.co_qualname.startswith(name + ".")}
+        if name in parts:
+            return types.FunctionType(marshal.loads(marshal.dumps(parts[name])), scope)
+        if parts:
+            return type(name, (torch.nn.Module,), {
+                q.split(".")[-1]: types.FunctionType(marshal.loads(marshal.dumps(c)), scope)
+                for q, c in parts.items()})
+    raise LookupError(f"no code of {exercise}'s answer anywhere in this process")
+
+def _bind(exercise):
+    def answer(*args, **kwargs):
+        return _rebuild(exercise)(*args, **kwargs)
+    return answer
+
+"""
+
+
+def test_an_answer_rebuilt_from_any_code_object_in_the_rank_scores_zero(tmp_path):
+    """Every exercise of lab 05 (functions, and a class rebuilt from its methods) bound
+    to its answer rebuilt (``types.FunctionType`` on a marshalled code object) from any
+    code the rank holds: none is there, all score 0. (That no exercise's answer code is
+    anywhere in its ranks is the walk each solution's grading runs, tests/absence.py.)"""
+    lab = "05_zero"
+    names = labs.exercises()[lab]
+    cells = {name: _REBUILD + f"{name} = _bind({name!r})\n" for name in names}
+    results, _ = _grade(tmp_path, _notebook(tmp_path, lab, cells))
+    for name in names:
+        r = results[name]
+        assert r["points"] == 0 < r["max_points"], r
+
+
+def test_the_rebuild_works_where_the_answer_is_loaded():
+    """The attack above is real: in a process that holds the library's answer, the cell's
+    code rebuilds it from a marshalled code object and it runs."""
+    import importlib
+
+    importlib.import_module(answers.ANSWERS["shard_range"][0].split(":")[0])  # loaded, as
+    scope: dict = {}  # disarming left it
+    exec(_REBUILD, scope)
+    assert scope["_bind"]("shard_range")(10, 1, 3) == (4, 7)
 
 
 _PROBE = '''
@@ -473,13 +545,13 @@ def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(t
     bytes), and is kept, reported self-reported."""
     import uuid
 
-    import distlab.reference.zero
+    import distlab.zero.flat
 
     if sandbox.confinement():
         pytest.skip(f"graded ranks cannot be confined here: {sandbox.confinement()}")
     mark = f"distlab-left-{uuid.uuid4().hex[:8]}"
     paths = [str(p) for p in (ROOT / "solutions", ROOT / ".git", ROOT / "tests", runner.TESTS,
-                              Path(distlab.reference.zero.__file__))]
+                              Path(distlab.zero.flat.__file__))]
     constants = (f"PATHS = {paths!r}\nKIT = {str(ROOT)!r}\nFOLDER = {str(ROOT.parent)!r}\n"
                  f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n"
                  f"RANK_IMPORTS = ('json.tool',)\n")
@@ -895,7 +967,7 @@ def test_the_data_behind_an_absent_answer_is_absent_and_the_library_still_import
     imports the answer module (distlab.comm) still imports and runs."""
     probe = ("from distlab.grading import answers; from distlab.runtime import absent\n"
              "absent.install(answers.modules_of(['bus_bandwidth']), answers.REFUSAL)\n"
-             "from distlab import comm; import distlab.reference.bandwidth as c\n"
+             "from distlab import comm; import distlab.collectives.bandwidth as c\n"
              "print(type(c).__name__, comm.CommLog.__name__)\n"
              "try:\n    c._BUS_FACTORS['all_reduce']\nexcept RuntimeError as e:\n"
              "    print('refused' if answers.REFUSAL in str(e) else e)\n"

@@ -167,8 +167,7 @@ def test_an_installed_kit_finds_its_exercise_tests(tmp_path):
 
 
 def test_every_answer_module_imports_first():
-    """Each module of :mod:`distlab.reference` and each answer module the grader imports
-    in its ranks (``answers.hidden_modules``) imports in a process where no other distlab
+    """Each answer module the grader imports in its ranks (``answers.hidden_modules``) imports in a process where no other distlab
     module is loaded: a module that a package re-exports and that imports that package's
     submodules at its top fails here (the package imports it back before it is defined),
     though the graph above, which has no edge from a submodule to its package, passes."""
@@ -178,8 +177,7 @@ def test_every_answer_module_imports_first():
 
     from distlab.grading import answers
 
-    names = sorted({n for n in MODULES if n.startswith("distlab.reference.")}
-                   | set(answers.hidden_modules()))
+    names = sorted(answers.hidden_modules())
     code = ("import importlib, json, sys\nimport torch\nfailed = {}\n"
             f"for name in {names!r}:\n"
             "    for m in [m for m in sys.modules if m.split('.')[0] == 'distlab']:\n"
@@ -194,17 +192,6 @@ def test_every_answer_module_imports_first():
     assert not failed, f"imported first, these fail: {failed}"
 
 
-# The answer modules that still hold library code beside their answers (the moves of
-# docs/design.md, "Where the answers live", not yet made): while their exercise is
-# graded that code is absent too. The list only shrinks: a module that becomes clean
-# fails the test below until it is taken off.
-NOT_YET_SPLIT = {
-    "distlab.collectives.broadcast", "distlab.collectives.ring",
-    "distlab.reference.fp8", "distlab.reference.memory", "distlab.reference.mesh",
-    "distlab.reference.train", "distlab.reference.zero",
-}
-
-
 def _public_non_answers(module: str, named: set[str]) -> list[str]:
     tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
     found = []
@@ -217,8 +204,8 @@ def _public_non_answers(module: str, named: set[str]) -> list[str]:
 
 def test_answers_live_only_where_the_manifest_says():
     """Every module of the manifest holds only answers (its public names are the
-    manifest's; private helpers serve them), but those listed as not yet split; and no
-    module outside the manifest defines an exercise's name."""
+    manifest's; private helpers serve them), and no module outside the manifest defines
+    an exercise's name."""
     from distlab.grading import answers
 
     named: dict[str, set[str]] = {}
@@ -226,10 +213,8 @@ def test_answers_live_only_where_the_manifest_says():
         for ref in refs:
             module, name = ref.split(":")
             named.setdefault(module, set()).add(name)
-    mixed = {m for m in answers.hidden_modules() if _public_non_answers(m, named[m])}
-    assert mixed <= NOT_YET_SPLIT, {m: _public_non_answers(m, named[m])
-                                    for m in mixed - NOT_YET_SPLIT}
-    assert NOT_YET_SPLIT <= mixed, f"clean now, off NOT_YET_SPLIT: {NOT_YET_SPLIT - mixed}"
+    mixed = {m: _public_non_answers(m, named[m]) for m in answers.hidden_modules()}
+    assert not any(mixed.values()), {m: found for m, found in mixed.items() if found}
     exercises = set(answers.ANSWERS)
     for module in MODULES:
         if module in named or not module.startswith("distlab."):

@@ -18,7 +18,8 @@ from distlab.data import NGramLanguage
 from distlab.model import config
 from distlab.moe import (capacity, expert_parallel, load_balancing_loss, moe_gpt,
                          moe_layers, route, sync_gradients)
-from distlab.moe._reference import combine_local, kept
+from distlab.moe.layer import combine_local
+from distlab.moe.router import kept
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 

@@ -23,10 +23,10 @@ LOCAL_MAX = (("    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)\n", 
 UNMASKED = ((
     "picked = shifted.gather(-1, local.masked_fill(outside, 0).unsqueeze(-1)).squeeze(-1)",
     "picked = shifted.gather(-1, local.clamp(0, sizes[rank] - 1).unsqueeze(-1)).squeeze(-1)"), (
-    "picked = tp.reduce_from_group(picked.masked_fill(outside, 0.0), group)",
-    "picked = tp.reduce_from_group(picked, group)"))
+    "picked = ReduceFromGroup.apply(picked.masked_fill(outside, 0.0), group)",
+    "picked = ReduceFromGroup.apply(picked, group)"))
 
-LOCAL_SUM = (("sum_exp = tp.reduce_from_group(shifted.exp().sum(-1), group)",
+LOCAL_SUM = (("sum_exp = ReduceFromGroup.apply(shifted.exp().sum(-1), group)",
               "sum_exp = shifted.exp().sum(-1)"),)
 
 FLOOR = ((

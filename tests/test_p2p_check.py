@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from distlab import launch
 from distlab.collectives import broadcast
-from distlab.collectives import ring
+from distlab.collectives import ring, ring_layout
 from distlab.comm import CommLog
 from distlab.collectives.p2p_check import nccl_deadlock
 
@@ -269,11 +269,11 @@ def _record(fn, *args):
 
 
 def _ring(numel, piece_bytes):
-    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, piece_bytes
+    saved, ring_layout.PIECE_BYTES = ring_layout.PIECE_BYTES, piece_bytes
     try:
         return _record(ring.ring_allreduce, torch.arange(numel, dtype=torch.float32))
     finally:
-        ring.PIECE_BYTES = saved
+        ring_layout.PIECE_BYTES = saved
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])

@@ -25,6 +25,7 @@ from distlab.data import NGramLanguage
 from distlab.grading import expect_close
 from distlab.model import GPT, config
 from distlab.collectives.p2p_check import nccl_deadlock
+import pp_cases
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
 
@@ -132,6 +133,13 @@ def test_one_f_one_b_warms_up_alternates_and_cools_down():
                               for a in (("F", warmup + i), ("B", i))], (p, m, s)
             assert [i for k, i in row if k == "F"] == list(range(m))
             assert [i for k, i in row if k == "B"] == list(range(m))
+
+
+def test_the_graders_written_out_tables_are_the_librarys():
+    """pp_cases.TABLES, the grader's expected tables (written out: the library's are
+    absent while lab 07 is graded), are the library's schedules."""
+    for (name, p, m) in pp_cases.TABLES:
+        assert pp_cases.expected_table(name, p, m) == pp.build_schedule(name, p, m), (name, p, m)
 
 
 def test_in_flight_micro_batches():

@@ -1,4 +1,5 @@
-"""distlab.collectives.ring (the reference ring), distlab.bench.ring and distlab.viz.ring.
+"""distlab.collectives.ring (the reference ring), its layout and traffic, distlab.bench.ring
+and distlab.viz.ring.
 
 Correctness is equality with the sum computed on one process. One launch per world
 size runs every case; the tests of 4 ranks come last so that they share warm ranks.
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import backend, launch
-from distlab.collectives import ring
+from distlab.collectives import ring, ring_layout, ring_traffic
 from distlab.shards import shard_sizes
 from distlab.bench import ring as ring_bench
 from distlab.comm import CommLog
@@ -26,17 +27,17 @@ def _inputs(numel, dtype, K, seed):
 def _all_cases():
     """Every case at the backend's piece size and at 12-byte pieces (many pieces per
     chunk, so that the pipeline and its receive slots wrap around); returns the failures."""
-    default = ring.PIECE_BYTES
+    default = ring_layout.PIECE_BYTES
     try:
         return [f for piece_bytes in (None, 12) for f in _cases(piece_bytes)]
     finally:
-        ring.PIECE_BYTES = default  # the ranks stay warm for the next launch
+        ring_layout.PIECE_BYTES = default  # the ranks stay warm for the next launch
 
 
 def _cases(piece_bytes):
     rank, K = dist.get_rank(), dist.get_world_size()
     device = backend.device()
-    ring.PIECE_BYTES = piece_bytes
+    ring_layout.PIECE_BYTES = piece_bytes
     failures = []
     lengths = {0, 1, max(K - 1, 1), 13, 101} | ({4099} if piece_bytes is None else set())
     for numel in sorted(lengths):
@@ -51,7 +52,7 @@ def _cases(piece_bytes):
                 out = ring.ring_allreduce(x)
             if out is not x or not torch.equal(x, total):
                 failures.append(f"ring_allreduce {case}")
-            problem = ring.check_traffic(log, "all_reduce", numel, x.element_size())
+            problem = ring_traffic.check_traffic(log, "all_reduce", numel, x.element_size())
             if problem:
                 failures.append(f"ring_allreduce traffic {case}: {problem}")
 
@@ -60,18 +61,18 @@ def _cases(piece_bytes):
                 got = ring.ring_reduce_scatter(x)
             if not torch.equal(got, mine) or not torch.equal(x, xs[rank]):
                 failures.append(f"ring_reduce_scatter {case} (or it changed its input)")
-            if ring.check_traffic(log, "reduce_scatter", numel, x.element_size()):
+            if ring_traffic.check_traffic(log, "reduce_scatter", numel, x.element_size()):
                 failures.append(f"ring_reduce_scatter traffic {case}")
 
             with CommLog() as log:
                 got = ring.ring_all_gather(mine.clone(), numel)
             if not torch.equal(got, total):
                 failures.append(f"ring_all_gather {case}")
-            if ring.check_traffic(log, "all_gather", numel, x.element_size()):
+            if ring_traffic.check_traffic(log, "all_gather", numel, x.element_size()):
                 failures.append(f"ring_all_gather traffic {case}")
 
             y = xs[rank].clone()
-            ring_bench.plain_ring_allreduce(y)
+            ring.plain_ring_allreduce(y)
             if not torch.equal(y, total):
                 failures.append(f"plain_ring_allreduce {case}")
     x = _inputs(35, torch.float32, K, seed=7)[rank].reshape(5, 7).to(device)  # any shape
@@ -100,7 +101,7 @@ def _large(sizes, piece_bytes):
     """Large buffers on GPUs, of odd lengths: whole chunks (NCCL's pieces), then pieces."""
     rank, K, device = dist.get_rank(), dist.get_world_size(), backend.device()
     failures = []
-    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, piece_bytes
+    saved, ring_layout.PIECE_BYTES = ring_layout.PIECE_BYTES, piece_bytes
     try:
         for numel in sizes:
             g = torch.Generator(device=device).manual_seed(numel)
@@ -112,7 +113,7 @@ def _large(sizes, piece_bytes):
                 failures.append(f"ring_allreduce of {numel} float32 on {K} GPUs, pieces of "
                                 f"{piece_bytes or 'default'} B")
     finally:
-        ring.PIECE_BYTES = saved
+        ring_layout.PIECE_BYTES = saved
     return failures
 
 
@@ -139,31 +140,34 @@ def test_bench_in_cuda_graphs_on_gpus():
 
 def test_piece_count_follows_the_backend():
     MiB = 1 << 20
-    assert [ring.piece_count(c * MiB, "nccl") for c in (32, 256, 512, 768, 2048)] == [1, 1, 1, 2, 4]
+    assert [ring_layout.piece_count(c * MiB, "nccl")
+            for c in (32, 256, 512, 768, 2048)] == [1, 1, 1, 2, 4]
     # gloo: at most 4 MiB, and LOOKAHEAD + 1 pieces while each keeps 2 MiB
-    assert [ring.piece_count(c * MiB, "gloo") for c in (1, 3, 4, 6, 16, 64)] == [1, 1, 2, 3, 4, 16]
-    assert ring.piece_count(0, "nccl") == 1
+    assert [ring_layout.piece_count(c * MiB, "gloo")
+            for c in (1, 3, 4, 6, 16, 64)] == [1, 1, 2, 3, 4, 16]
+    assert ring_layout.piece_count(0, "nccl") == 1
 
 
 @pytest.mark.parametrize("numel,K,size,backend_name", [
     (1 << 28, 2, 4, "nccl"), ((3 << 28) // 2, 2, 4, "nccl"), ((1 << 26) + 7, 3, 4, "nccl"),
     ((1 << 24) + 5, 4, 2, "gloo"), (101, 3, 8, "gloo"), (5, 7, 4, "gloo"), (0, 2, 4, "gloo")])
 def test_pieces_are_aligned_and_cover_every_chunk(numel, K, size, backend_name):
-    P, width = ring.piece_layout(numel, K, size, backend_name)
+    P, width = ring_layout.piece_layout(numel, K, size, backend_name)
     biggest = max(shard_sizes(numel, K))
-    assert width * size % ring.ALIGN_BYTES == 0      # each piece starts 256 B into its chunk
-    assert P <= ring.piece_count(biggest * size, backend_name)  # rounding up merges, never adds
+    assert width * size % ring_layout.ALIGN_BYTES == 0      # each piece starts 256 B into its chunk
+    # rounding up merges pieces, never adds one
+    assert P <= ring_layout.piece_count(biggest * size, backend_name)
     if biggest:                                       # no empty piece in the largest chunk
         assert (P - 1) * width < biggest <= P * width
 
 
 def test_pieces_of_a_third_of_512_MiB_are_aligned():
     """The layout that halved the ring's speed: a 512 MiB chunk in three, at 4-byte offsets."""
-    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, 171 << 20
+    saved, ring_layout.PIECE_BYTES = ring_layout.PIECE_BYTES, 171 << 20
     try:
-        P, width = ring.piece_layout(1 << 28, 2, 4, "nccl")
+        P, width = ring_layout.piece_layout(1 << 28, 2, 4, "nccl")
     finally:
-        ring.PIECE_BYTES = saved
+        ring_layout.PIECE_BYTES = saved
     assert P == 3 and width * 4 % 256 == 0 and 3 * width >= 1 << 27
 
 
@@ -239,7 +243,8 @@ def _traffic_of_wrong_rings():
                         dist.P2POp(dist.irecv, torch.empty(3), q)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-    return [ring.check_traffic(log, "all_gather", 12, 4) for log in (collective, whole, star)]
+    return [ring_traffic.check_traffic(log, "all_gather", 12, 4)
+            for log in (collective, whole, star)]
 
 
 def test_check_traffic_catches_what_is_not_a_ring():
@@ -254,17 +259,19 @@ def test_check_traffic_catches_what_is_not_a_ring():
 def test_bytes_sent_total_is_the_ring_volume(K, numel):
     sizes = shard_sizes(numel, K)
     assert sizes == [c.numel() for c in torch.tensor_split(torch.empty(numel), K)]
-    total = sum(ring.bytes_sent("all_reduce", numel, 2, r, K) for r in range(K))
+    total = sum(ring_traffic.bytes_sent("all_reduce", numel, 2, r, K) for r in range(K))
     assert total == 2 * (K - 1) * numel * 2  # K ranks x 2(K-1)/K of N bytes
     for direction in (1, -1):
-        rs = [ring.bytes_sent("reduce_scatter", numel, 1, r, K, direction) for r in range(K)]
-        ag = [ring.bytes_sent("all_gather", numel, 1, r, K, direction) for r in range(K)]
+        rs = [ring_traffic.bytes_sent("reduce_scatter", numel, 1, r, K, direction)
+              for r in range(K)]
+        ag = [ring_traffic.bytes_sent("all_gather", numel, 1, r, K, direction)
+              for r in range(K)]
         assert sum(rs) == sum(ag) == (K - 1) * numel
 
 
 @pytest.fixture(scope="module")
 def record4():
-    return ring.record(4, numel=10)
+    return ring_traffic.record(4, numel=10)
 
 
 def test_record_follows_the_algorithm(record4):
@@ -283,10 +290,10 @@ def test_record_follows_the_algorithm(record4):
                 assert after == everyone and sender == everyone
             sent = [(op, peer, b) for op, peer, b in rec.calls[k][r] if op in ("send", "isend")]
             got = [(op, peer, b) for op, peer, b in rec.calls[k][r] if op in ("recv", "irecv")]
-            chunk_bytes = 8 * rec.chunk_sizes[c]
+            chunk_bytes = 4 * rec.chunk_sizes[c]   # float32, record()'s default
             assert got == [("irecv", (r - 1) % K, chunk_bytes)]
             assert [(peer, b) for _, peer, b in sent] == [
-                ((r + 1) % K, 8 * rec.chunk_sizes[rec.moved[k][(r + 1) % K]])]
+                ((r + 1) % K, 4 * rec.chunk_sizes[rec.moved[k][(r + 1) % K]])]
     assert all(rec.holds[K - 1][r][r] == everyone for r in range(K))
     assert all(h == everyone for row in rec.holds[-1] for h in row)
 

@@ -374,10 +374,10 @@ def test_answers_refuse_every_library_piece_of_the_vocabulary_parallel_loss():
     import inspect
 
     from distlab.grading.labs import ANSWERS
-    from distlab.tp import layers, ops, parallelize
+    from distlab.tp import layers, ops, parallelize, sequence
 
     found = set()
-    for module in (layers, ops, parallelize):
+    for module in (layers, ops, parallelize, sequence):
         for name, obj in vars(module).items():
             if ((inspect.isfunction(obj) or inspect.isclass(obj))
                     and obj.__module__ == module.__name__):

@@ -23,7 +23,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from distlab.reference.bandwidth import bus_factor  # nccl-tests' busbw = algbw * factor
+from distlab.collectives.bandwidth import bus_factor  # nccl-tests' busbw = algbw * factor
 from distlab.units import human_bytes
 
 COLLECTIVES = ("broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor",

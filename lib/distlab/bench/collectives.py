@@ -28,7 +28,9 @@ Definitions follow nccl-tests (doc/PERFORMANCE.md): ``size`` is the message in b
 (the whole buffer of all_reduce/broadcast/reduce, the *output* of all_gather, the
 *input* of reduce_scatter), ``algbw = size / time`` and ``busbw = algbw * factor(n)``
 with nccl-tests' factors (:func:`distlab.comm.bus_factor`), so that busbw is the
-bandwidth one link carried and can be compared with the hardware's peak.
+bandwidth one link carried and can be compared with the hardware's peak. :func:`sweep`
+and :func:`run` take the function that computes it (``bus_bandwidth=``): lab 01 passes
+its own.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ import torch.distributed as dist
 from distlab import backend, comm, launch
 from distlab.alphabeta import fits
 from distlab.bench.timing import time_each, time_runs
+from distlab.collectives import bandwidth as busbw
 
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv")
@@ -191,7 +194,8 @@ def _sendrecv(send: torch.Tensor, recv: torch.Tensor, group):
 
 def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmup: int = 5,
           iters: int = 20, group=None, each: int = 0, graph: bool = False,
-          repeats: int = 1, api: str = "torch") -> list[Row]:
+          repeats: int = 1, api: str = "torch",
+          bus_bandwidth=busbw.bus_bandwidth) -> list[Row]:
     """Time every op at every size on the ranks of ``group`` (the median of ``repeats``
     runs of :func:`~distlab.bench.timing.time_op`, and with ``each`` > 0 also :func:`~distlab.bench.timing.time_each` over that many
     calls); call it on each of them (inside a launched function). Every rank returns
@@ -199,7 +203,10 @@ def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmu
 
     ``api``: ``"torch"`` calls torch.distributed, as the labs do; ``"nccl"`` calls NCCL
     itself through ``cupy.cuda.nccl`` (:mod:`distlab.collectives.nccl_raw`) on a communicator of
-    every rank, as nccl-tests does (NCCL backend and the default group only)."""
+    every rank, as nccl-tests does (NCCL backend and the default group only).
+
+    ``bus_bandwidth(op, nbytes, seconds, world_size)`` gives each row's busbw in bytes/s
+    (default: the library's, nccl-tests' factors)."""
     message_sizes = message_sizes or sizes(4 << 10, 16 << 20)
     n = dist.get_world_size(group)
     ops = [op for op in ops if not (op == "sendrecv" and n < 2)]
@@ -214,9 +221,8 @@ def sweep(ops=OPS, message_sizes=None, dtype: torch.dtype = torch.float32, warmu
         runs = time_runs(call, warmup, iters, group, graph, repeats)
         seconds = statistics.median(runs)
         nbytes = count * torch.empty((), dtype=dtype).element_size()
-        algbw = nbytes / seconds
         rows.append(Row(op, nbytes, count, str(dtype).removeprefix("torch."), seconds,
-                        algbw, algbw * comm.bus_factor(op, n),
+                        nbytes / seconds, bus_bandwidth(op, nbytes, seconds, n),
                         time_each(call, each, group) if each else None,
                         min(runs) if repeats > 1 else None))
         del call  # free this size's buffers before the next

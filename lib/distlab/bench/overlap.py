@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from distlab.dp import DataParallel, OneShotDataParallel
+
 LINKS = {
     "nvlink": {},
     "host": {"NCCL_P2P_DISABLE": "1"},
@@ -91,25 +93,27 @@ def link_busbw(nbytes: int = 256 << 20) -> float:
 
 
 def wrap(module, variant: str, bucket_cap_mb: float | None = 25, group=None,
-         channel: str = "auto"):
+         channel: str = "auto", *, bucketed=DataParallel):
     """``(model, finish)``: ``module`` wrapped for ``variant`` (one of :data:`VARIANTS`),
-    and what to call between backward and the optimizer step. ``channel``: how
-    per-parameter and bucketed issue their all-reduces (:func:`channel`).
+    and what to call between backward and the optimizer step.
 
     naive: lab 04's one-shot all-reduce after backward; per-parameter: one asynchronous
-    all-reduce per parameter from backward hooks; bucketed: :class:`DataParallel` with
-    ``bucket_cap_mb``; torch DDP: ``DistributedDataParallel`` with ``bucket_cap_mb``
-    (25 by default, as torch's), which synchronises inside backward."""
+    all-reduce per parameter from backward hooks, ``bucketed(module, None, group=group)``;
+    bucketed: ``bucketed(module, bucket_cap_mb, group=group)``, lab 08's
+    :class:`~distlab.dp.DataParallel` by default (lab 08's cells pass the student's
+    ``BucketedDDP``); torch DDP: ``DistributedDataParallel`` with ``bucket_cap_mb`` (25 by
+    default, as torch's), which synchronises inside backward. A ``channel`` other than
+    "auto" (how the all-reduces are issued, :func:`distlab.dp.channels.channel`) is
+    passed on to ``bucketed``."""
     from torch import nn
 
-    from distlab.dp import DataParallel, OneShotDataParallel
-
+    options = {} if channel == "auto" else {"channel": channel}
     if variant == "naive":
         model = OneShotDataParallel(module, group=group)
     elif variant == "per-parameter":
-        model = DataParallel(module, None, group=group, channel=channel)
+        model = bucketed(module, None, group=group, **options)
     elif variant == "bucketed":
-        model = DataParallel(module, bucket_cap_mb, group=group, channel=channel)
+        model = bucketed(module, bucket_cap_mb, group=group, **options)
     elif variant == "torch DDP":
         device = next(module.parameters()).device
         model = nn.parallel.DistributedDataParallel(

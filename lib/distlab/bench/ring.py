@@ -6,22 +6,23 @@
     python -m distlab.bench.ring ... --pieces 128M,1G  # the reference with other piece sizes
     python -m distlab.bench.ring --backend nccl -n 2 -b 64M -e 1G --graph  # the GPU's time alone
 
-Three contenders per size: the backend's collective, :func:`plain_ring_allreduce` (the
-straightforward ring: a fresh buffer per step, ``+=``, a copy back at the end) and the
-reference :mod:`distlab.collectives.ring` (receives in place, no needless copies, pieces pipelined
-where the chunks are large for the backend). They run interleaved, round after round,
-so that a machine whose speed drifts (a busy laptop, a shared CI box) slows all of them
-alike; in each round a contender's time per call is that of a few calls back to back
-(:func:`distlab.bench.collectives.time_op`), every contender untraced (:func:`distlab.comm.quiet`:
-a ring of many traced calls would otherwise pay bookkeeping that the backend's one call
-does not). Each ratio is ``time(backend) / time(contender)`` in the same round, i.e.
-the contender's busbw over the backend's; the table gives its median over the rounds
-and its range (min-max), which says how much of a difference is noise. busbw follows
-nccl-tests (:func:`distlab.comm.bus_factor`). Beside each time per call stands the host's
-time to issue one call: a ring issued from Python pays for every exchange on the host,
-and where that nears the GPU's time per call the host, not the link, sets the pace.
-``--graph`` (GPUs) captures each contender's calls, the backend's too, in a CUDA graph and
-times its replay: the GPU's work alone.
+Three contenders per size: the backend's collective,
+:func:`~distlab.collectives.ring.plain_ring_allreduce` (the straightforward ring: a fresh
+buffer per step, ``+=``, a copy back at the end) and the reference
+:func:`~distlab.collectives.ring.ring_allreduce` (receives in place, no needless copies,
+pieces pipelined where the chunks are large for the backend); both are lab 03's answers.
+They run interleaved, round after round, so that a machine whose speed drifts (a busy
+laptop, a shared CI box) slows all of them alike; in each round a contender's time per call
+is that of a few calls back to back (:func:`distlab.bench.collectives.time_op`), every
+contender untraced (:func:`distlab.comm.quiet`: a ring of many traced calls would otherwise
+pay bookkeeping that the backend's one call does not). Each ratio is ``time(backend) /
+time(contender)`` in the same round, i.e. the contender's busbw over the backend's; the
+table gives its median over the rounds and its range (min-max), which says how much of a
+difference is noise. busbw follows nccl-tests (:func:`distlab.comm.bus_factor`). Beside each
+time per call stands the host's time to issue one call: a ring issued from Python pays for
+every exchange on the host, and where that nears the GPU's time per call the host, not the
+link, sets the pace. ``--graph`` (GPUs) captures each contender's calls, the backend's too,
+in a CUDA graph and times its replay: the GPU's work alone.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from distlab import backend as backends
 from distlab import launch
-from distlab.collectives import ring
+from distlab.collectives import ring, ring_layout
 from distlab import comm
 from distlab.bench.collectives import parse_size, sizes
 from distlab.bench.timing import host_seconds, time_op
@@ -44,34 +45,6 @@ from distlab.units import size_label
 
 OPS = ("all_reduce", "reduce_scatter")
 DEFAULT_SIZES = tuple(1 << k for k in range(16, 27, 2))  # 64 KiB .. 64 MiB
-
-
-def plain_ring_allreduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """The ring as one first writes it: correct, and slow where it need not be.
-
-    Each step allocates a fresh receive buffer, ``+=`` makes the partial sums, the
-    chunks are copied out of the tensor at the start and back at the end, and each step
-    waits for its whole chunk before reducing (no pipelining)."""
-    K, r = dist.get_world_size(group), dist.get_rank(group)
-    if K == 1:
-        return tensor
-    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-    nxt, prv = ranks[(r + 1) % K], ranks[(r - 1) % K]
-    parts = [c.clone() for c in torch.tensor_split(tensor.view(-1), K)]
-
-    def step(send, recv):
-        buf = torch.empty_like(parts[recv])
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, parts[send], nxt, group),
-                                         dist.P2POp(dist.irecv, buf, prv, group)]):
-            w.wait()
-        return buf
-
-    for s in range(K - 1):
-        parts[(r - s - 2) % K] += step((r - s - 1) % K, (r - s - 2) % K)
-    for t in range(K - 1):
-        parts[(r - t - 1) % K] = step((r - t) % K, (r - t - 1) % K)
-    tensor.view(-1).copy_(torch.cat(parts))
-    return tensor
 
 
 def _backend_reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -84,7 +57,7 @@ def _backend_reduce_scatter(x: torch.Tensor, group=None) -> torch.Tensor:
     return out
 
 
-def _allreduce_then_chunk(x: torch.Tensor, group=None) -> torch.Tensor:
+def allreduce_then_chunk(x: torch.Tensor, group=None) -> torch.Tensor:
     """A reduce-scatter made of a whole all-reduce: what gloo does inside its own."""
     dist.all_reduce(x, group=group)
     return torch.tensor_split(x, dist.get_world_size(group))[dist.get_rank(group)]
@@ -92,9 +65,9 @@ def _allreduce_then_chunk(x: torch.Tensor, group=None) -> torch.Tensor:
 
 BACKEND = {"all_reduce": dist.all_reduce, "reduce_scatter": _backend_reduce_scatter}
 CONTENDERS = {
-    "all_reduce": {"plain ring": plain_ring_allreduce, "reference ring": ring.ring_allreduce},
+    "all_reduce": {"plain ring": ring.plain_ring_allreduce, "reference ring": ring.ring_allreduce},
     "reduce_scatter": {"reference ring": ring.ring_reduce_scatter,
-                       "all_reduce, keep a chunk": _allreduce_then_chunk},
+                       "all_reduce, keep a chunk": allreduce_then_chunk},
 }
 
 
@@ -190,11 +163,11 @@ def measure(op: str = "all_reduce", sizes=DEFAULT_SIZES, world_size: int = 4,
 
 def ring_with_pieces(piece_bytes: int, tensor: torch.Tensor, group=None) -> torch.Tensor:
     """The reference ring all-reduce with pieces of at most ``piece_bytes``."""
-    saved, ring.PIECE_BYTES = ring.PIECE_BYTES, piece_bytes
+    saved, ring_layout.PIECE_BYTES = ring_layout.PIECE_BYTES, piece_bytes
     try:
         return ring.ring_allreduce(tensor, group)
     finally:
-        ring.PIECE_BYTES = saved
+        ring_layout.PIECE_BYTES = saved
 
 
 def _measure_rank(op, sizes, rounds, dtype, contenders, iters, graph):

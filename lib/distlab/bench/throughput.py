@@ -4,8 +4,8 @@
         --seq-len 1024 --world-size 1 --backend nccl
 
 Each rank trains :class:`distlab.model.GPT` wrapped in :class:`distlab.dp.DataParallel`
-(forward, backward, gradient all-reduce, AdamW step) on random tokens and times the
-steps after a warm-up. MFU (Chowdhery et al. 2022, PaLM, appendix B) is the model
+(or the wrapper :func:`measure` is given; forward, backward, gradient all-reduce, AdamW
+step) on random tokens and times the steps after a warm-up. MFU (Chowdhery et al. 2022, PaLM, appendix B) is the model
 FLOPs the step performs, ``flops_per_token × tokens/s`` (``6N + 12 L d T``, see
 :meth:`distlab.model.GPT.flops_per_token`), over the device's peak dense throughput
 for the dtype; recomputation and padding do not count as model FLOPs.
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from distlab.backend import peak_flops
 from distlab.bench.timing import per_call
+from distlab.dp import DataParallel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,15 +64,17 @@ class Throughput:
 
 
 def measure(cfg, batch_size: int, seq_len: int | None = None, dtype: str = "bf16",
-            steps: int = 10, warmup: int = 3, compile: bool = False) -> Throughput:
+            steps: int = 10, warmup: int = 3, compile: bool = False, *,
+            wrap=DataParallel) -> Throughput:
     """Time ``steps`` training steps of ``GPT(cfg)`` on this rank's device.
 
-    Runs inside a launched function (the model is wrapped in DataParallel over the
-    running group) or in a plain process (a group of one is not needed: no wrapping)."""
+    Runs inside a launched function (the model is wrapped in ``wrap(model)`` over the
+    running group: any wrapper with ``finish_gradient_synchronization()``, lab 08's
+    bucketed one by default) or in a plain process (a group of one is not needed: no
+    wrapping)."""
     import torch.distributed as dist
 
     from distlab import backend
-    from distlab.dp import DataParallel
     from distlab.model import GPT
 
     if dtype not in DTYPES:
@@ -82,7 +85,7 @@ def measure(cfg, batch_size: int, seq_len: int | None = None, dtype: str = "bf16
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     params, flops = model.num_params(), model.flops_per_token(seq_len)
-    ddp = DataParallel(model) if dist.is_initialized() else None
+    ddp = wrap(model) if dist.is_initialized() else None
     run = torch.compile(model) if compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     autocast = contextlib.nullcontext() if dtype == "fp32" else torch.autocast(

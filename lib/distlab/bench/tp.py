@@ -52,9 +52,10 @@ from distlab.bench.overlap import LINKS, environ
 VARIANTS = ("distlab TP", "torch TP", "torch DDP", "distlab DP")
 
 
-def _build(variant: str, cfg, device):
+def _build(variant: str, cfg, device, tp_options: dict):
     """(model to call, parameters or parameter groups to optimise, whether each rank
-    takes its slice of the batch, after-backward)."""
+    takes its slice of the batch, after-backward). ``tp_options``: keyword arguments of
+    :func:`distlab.tp.tensor_parallel` (lab 06 passes its own layers)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from distlab import tp
@@ -66,7 +67,7 @@ def _build(variant: str, cfg, device):
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     if variant == "distlab TP":
-        return tp.tensor_parallel(model), model.parameters(), False, None
+        return tp.tensor_parallel(model, **tp_options), model.parameters(), False, None
     if variant == "torch TP":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -82,7 +83,7 @@ def _build(variant: str, cfg, device):
 
 def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3,
             warmup: int = 3, profile_steps: int = 3, dtype: str = "bf16", workdir=None,
-            label: str = "") -> dict:
+            label: str = "", tp_options: dict | None = None) -> dict:
     """Run in every rank: time each variant; rank 0's figures come back (plain data).
     Rank 0 keeps its profiler traces in ``workdir`` (when given).
 
@@ -116,7 +117,7 @@ def measure(cfg, batch: int, seq: int, variants, steps: int = 5, rounds: int = 3
             return None
 
     def prepare(name):
-        model, params, data_parallel, after = _build(name, cfg, device)
+        model, params, data_parallel, after = _build(name, cfg, device, tp_options or {})
         x = tokens.tensor_split(world)[dist.get_rank()] if data_parallel else tokens
         opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
@@ -169,9 +170,11 @@ def _nccl_share(step, device, steps: int, path: Path) -> float | None:
 
 
 def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, timeout=120,
-        workdir=None):
+        workdir=None, tp_options=None):
     """{link: {variant: figures}}: one launch on fresh ranks per link setting (``links``:
-    names of :data:`LINKS`; on gloo they mean nothing and one run is labelled "gloo")."""
+    names of :data:`LINKS`; on gloo they mean nothing and one run is labelled "gloo").
+    ``tp_options``: keyword arguments of :func:`distlab.tp.tensor_parallel` for
+    "distlab TP" (``column=`` and ``row=``: the layers to build it from)."""
     from distlab import backend as backends
     from distlab import launch
 
@@ -186,7 +189,7 @@ def run(links, cfg, batch, seq, world_size, backend, variants, steps, rounds, ti
                 results[link] = launch.run(
                     measure, world_size, cfg, batch, seq, variants, steps, rounds,
                     workdir=None if workdir is None else str(workdir), label=link,
-                    backend=backend, timeout=timeout, isolated=True)[0]
+                    tp_options=tp_options, backend=backend, timeout=timeout, isolated=True)[0]
         except launch.LaunchError as exc:  # keep the other links' figures
             results[link] = {"error": str(exc).splitlines()[0]}
         print(f"# {link}: {time.perf_counter() - start:.0f} s", flush=True)

@@ -128,7 +128,7 @@ def _trainer_dcp(trainer, loading: bool) -> dict:
     scaler also saves the scaler's state (``loss_scaler``, see :func:`_build`)."""
     from distlab.model import GPT
 
-    tp_layouts = _tp_layouts(trainer.model) if trainer.mesh.grid.tp > 1 else {}
+    tp_layouts = _tp_layouts(trainer.model) if trainer.mesh.tp > 1 else {}
     with torch.device("meta"):
         whole = GPT(trainer.model.cfg)
     names_of: dict[int, list[str]] = {}

@@ -9,17 +9,17 @@ heads and features) nor PP (it splits layers) divides.
 - :mod:`~distlab.cp.layout`: which tokens each rank holds (contiguous or zigzag), the
   positions, sharding and unsharding a sequence, the causal work per rank, and lab 03's
   ring neighbours;
-- :func:`ring_attention`: attention over the whole sequence with K/V blocks travelling
-  around the ring, forward and backward (Liu et al. 2023), either layout (lab 10's
-  exercise: the implementation is private);
+- :func:`~distlab.cp.ring.ring_attention`: attention over the whole sequence with K/V
+  blocks travelling around the ring, forward and backward (Liu et al. 2023), either
+  layout (lab 10's exercise: :mod:`~distlab.cp.ring` holds only that answer);
 - :func:`~distlab.cp.ulysses.ulysses_attention`: DeepSpeed-Ulysses' two all-to-alls
   (sequence-sharded to head-sharded and back).
 
 This is lab 10's counterpart of :mod:`distlab.tp`. The planner (:mod:`distlab.planner`)
 has no cp dimension yet.
 """
-from distlab.cp._reference import ring_attention
 from distlab.cp.layout import LAYOUTS, causal_pairs, positions, ring_neighbours, shard, unshard
+from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import ulysses_attention
 
 __all__ = ["LAYOUTS", "causal_pairs", "positions", "ring_attention", "ring_neighbours", "shard",

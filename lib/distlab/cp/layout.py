@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from distlab.collectives.ring import neighbours as ring_neighbours  # lab 03's ring
+from distlab.collectives.ring_layout import neighbours as ring_neighbours  # lab 03's ring
 
 __all__ = ["LAYOUTS", "bounds", "positions", "shard", "unshard", "causal_pairs", "ring_neighbours"]
 

@@ -14,18 +14,21 @@ Both wrappers are shaped like ``torch.nn.parallel.DistributedDataParallel``
   reverse parameter order as backward produces them), each bucket's all-reduce issued
   during backward (Li et al. 2020, "PyTorch Distributed"); ``None`` is one all-reduce
   per parameter;
-- ``OneShotDataParallel(module, group=None)`` (lab 04): one blocking all-reduce of
-  every gradient after backward;
+- ``OneShotDataParallel(module, group=None, *, allreduce=allreduce_gradients)`` (lab 04):
+  one blocking ``allreduce(module, group)`` of every gradient after backward;
 - ``allreduce_gradients(module, group=None)``, ``broadcast_state(module, group=None)``,
   ``shard_loss_weight(local_count, global_count, world_size)`` (a rank's loss weight when
   its rows are not an equal share), ``plan_buckets(params, bucket_cap_mb=25)``.
 
-:mod:`~distlab.dp.channels` says how a bucket's all-reduce is issued. The wrappers'
-code answers labs 04 and 08: it is in :mod:`distlab.dp.ddp` (read it after grading);
-:mod:`~distlab.dp.replicas` holds what the wrappers are built on.
+:mod:`~distlab.dp.channels` says how a bucket's all-reduce is issued. The answers of labs
+04 and 08 are in :mod:`distlab.dp.allreduce` and :mod:`distlab.dp.bucketed` (read them
+after grading); :mod:`~distlab.dp.replicas` holds what the wrappers are built on, and the
+one-shot wrapper.
 """
-from distlab.dp.ddp import DataParallel, OneShotDataParallel, allreduce_gradients
-from distlab.dp.replicas import MB, broadcast_state, plan_buckets, shard_loss_weight
+from distlab.dp.allreduce import allreduce_gradients
+from distlab.dp.bucketed import DataParallel
+from distlab.dp.replicas import (MB, OneShotDataParallel, broadcast_state, plan_buckets,
+                                 shard_loss_weight)
 
 __all__ = ["MB", "DataParallel", "OneShotDataParallel", "allreduce_gradients",
            "broadcast_state", "plan_buckets", "shard_loss_weight"]

@@ -1,15 +1,22 @@
 """What every data-parallel replica agrees on: rank 0's state (:func:`broadcast_state`),
 each rank's share of the global mean loss (:func:`shard_loss_weight`), and which
-gradients share a bucket (:func:`plan_buckets`, torch DDP's rule). The wrappers of
-:mod:`distlab.dp.ddp` and lab 09's train step are built on them.
+gradients share a bucket (:func:`plan_buckets`, torch DDP's rule); and lab 04's wrapper,
+:class:`OneShotDataParallel`, which averages the gradients with the all-reduce it is
+given (lab 04's ``allreduce_gradients`` by default, :mod:`distlab.dp.allreduce`). Lab 08's
+bucketed wrapper (:mod:`distlab.dp.bucketed`) and lab 09's train step are built on them.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab.backend import check_module_devices
+from distlab.comm import in_group
+from distlab.dp.allreduce import allreduce_gradients
 
 MB = 1 << 20  # torch's DDP counts bucket_cap_mb in MiB; so do we
 
@@ -60,3 +67,55 @@ def broadcast_state(module: nn.Module, group=None) -> None:
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             dist.broadcast(t.data, src=src, group=group)
+
+
+class _Replicated(nn.Module):
+    """What the data-parallel wrappers share: checks, the broadcast, ``forward``, ``no_sync``."""
+
+    def __init__(self, module: nn.Module, group=None):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{type(self).__name__} wraps an nn.Module, got "
+                            f"{type(module).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs a process group: call it inside "
+                               f"a function run by distlab.launch.run (or under torchrun)")
+        self.module = module
+        self.group = group
+        self.require_sync = True
+        self.member = in_group(group)
+        if self.member:
+            check_module_devices(module)
+            broadcast_state(module, group)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip gradient synchronisation inside the block (gradient accumulation): the
+        gradients add up locally, and the first synchronised backward after the block
+        averages the accumulated sum once."""
+        previous, self.require_sync = self.require_sync, False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+
+class OneShotDataParallel(_Replicated):
+    """``OneShotDataParallel(module, group=None, *, allreduce=allreduce_gradients)``, lab
+    04's version: after ``loss.backward()``, :meth:`finish_gradient_synchronization`
+    averages every gradient with ``allreduce(module, group)``, one blocking call (lab 04's
+    exercise; its cells pass the student's own). Nothing overlaps: the link idles during
+    backward and the processor during the all-reduce. A rank that is not a member of
+    ``group`` does nothing."""
+
+    def __init__(self, module: nn.Module, group=None, *, allreduce=allreduce_gradients):
+        super().__init__(module, group)
+        self.allreduce = allreduce
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average every gradient over the group (unless inside :meth:`no_sync`)."""
+        if self.require_sync and self.member:
+            self.allreduce(self.module, self.group)

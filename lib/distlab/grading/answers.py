@@ -12,7 +12,8 @@ imports anything.
 from __future__ import annotations
 
 _RING = ("distlab.collectives.ring:ring_reduce_scatter", "distlab.collectives.ring:ring_all_gather",
-         "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring")
+         "distlab.collectives.ring:ring_allreduce", "distlab.collectives.ring:_Ring",
+         "distlab.collectives.ring:plain_ring_allreduce")
 _SCHEDULES = ("distlab.pp.tables:gpipe_schedule", "distlab.pp.tables:one_f_one_b_schedule",
               "distlab.pp.tables:bubble_fraction", "distlab.pp.tables:build_schedule",
               "distlab.pp.tables:SCHEDULES")
@@ -20,31 +21,29 @@ _SCHEDULES = ("distlab.pp.tables:gpipe_schedule", "distlab.pp.tables:one_f_one_b
 _LAYERS = ("distlab.tp.layers:ColumnParallelLinear", "distlab.tp.layers:RowParallelLinear",
            "distlab.tp.fg:copy_to_group", "distlab.tp.fg:_CopyToGroup",
            "distlab.tp.fg:reduce_from_group", "distlab.tp.fg:_ReduceFromGroup")
-_DP = ("distlab.dp.ddp:DataParallel", "distlab.dp.ddp:_Bucket",
-       "distlab.dp.ddp:OneShotDataParallel", "distlab.dp.ddp:allreduce_gradients")
+# lab 08's bucketed wrapper averages every gradient: it answers lab 04's exercise too
+_BUCKETED = ("distlab.dp.bucketed:DataParallel", "distlab.dp.bucketed:_Bucket")
 
 # "module:name" of the library code that answers each exercise. all_reduce_mean has none
-# (the library has no mean all-reduce). bus_factor answers bus_bandwidth: lab 01 asks for
-# the factor itself (later labs may use it freely; only bus_bandwidth's grading refuses it).
+# (the library has no mean all-reduce). bus_factor and bus_bandwidth answer bus_bandwidth:
+# lab 01 asks for the factor itself (later labs may use them freely).
 ANSWERS: dict[str, tuple[str, ...]] = {
     "all_reduce_mean": (),
-    "bus_bandwidth": ("distlab.reference.bandwidth:bus_factor",),
+    "bus_bandwidth": ("distlab.collectives.bandwidth:bus_factor",
+                      "distlab.collectives.bandwidth:bus_bandwidth"),
     "pipelined_broadcast": ("distlab.collectives.broadcast:pipelined_broadcast",),
     "ps_sgd_step": ("distlab.collectives.ps:ps_sgd_step",),
     "ring_reduce_scatter": _RING,
     "ring_all_gather": _RING,
     "ring_allreduce": _RING,
-    "allreduce_gradients": _DP,
-    "zero_bytes_per_rank": ("distlab.reference.memory:zero_bytes",),
-    "shard_range": ("distlab.reference.shards:shard_range", "distlab.reference.shards:shard_sizes"),
-    "zero2_step": ("distlab.reference.zero:zero2_step", "distlab.reference.zero:adamw_",
-                   "distlab.reference.zero:reduce_scatter_mean",
-                   "distlab.reference.zero:all_gather_shards"),
-    "ZeRO3Unit": ("distlab.reference.fsdp:_Unit",
-                  "distlab.reference.fsdp:FullyShardedDataParallel",
-                  "distlab.reference.zero:FlatParams", "distlab.reference.zero:Layout",
-                  "distlab.reference.zero:reduce_scatter_mean",
-                  "distlab.reference.zero:all_gather_shards"),
+    "allreduce_gradients": ("distlab.dp.allreduce:allreduce_gradients", *_BUCKETED),
+    "zero_bytes_per_rank": ("distlab.zero.formula:zero_bytes",),
+    "shard_range": ("distlab.shards:shard_range", "distlab.shards:shard_sizes"),
+    "zero2_step": ("distlab.zero.step:zero2_step", "distlab.zero.step:adamw_",
+                   "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards"),
+    "ZeRO3Unit": ("distlab.zero.fsdp:_Unit", "distlab.zero.fsdp:FullyShardedDataParallel",
+                  "distlab.zero.flat:FlatParams", "distlab.zero.flat:Layout",
+                  "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards"),
     "ColumnParallelLinear": _LAYERS,
     "RowParallelLinear": _LAYERS,
     # the embedding's forward is the masked lookup and sum the loss needs for the target's logit
@@ -55,18 +54,18 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "bubble_fraction": _SCHEDULES,
     "run_stage": ("distlab.pp.runtime:PipelineRunner", "distlab.pp.runtime:sum_tied_gradients",
                   "distlab.pp.p2p:StageLink"),
-    "BucketedDDP": _DP,
-    "mesh_groups": ("distlab.reference.mesh:Grid", "distlab.reference.mesh:Mesh"),
-    "distributed_train_step": ("distlab.reference.train:Trainer", "distlab.reference.train:build",
-                               "distlab.reference.train:train", "distlab.reference.train:_Bucket",
-                               "distlab.reference.train:_Shards", "distlab.reference.grads:reduce_grads"),
-    "ring_attention": ("distlab.cp._reference:ring_attention",
-                       "distlab.cp._reference:_RingAttention"),
-    # kept() is the contract's drop rule, combine_local the one-process layer's sum
-    "moe_dispatch_combine": ("distlab.moe._reference:moe_dispatch_combine",
-                             "distlab.moe._reference:kept", "distlab.moe._reference:combine_local"),
+    "BucketedDDP": _BUCKETED,
+    # the grid's arithmetic; distlab.mesh.Mesh builds process groups from any mesh_groups
+    "mesh_groups": ("distlab.mesh.grid:Grid", "distlab.mesh.grid:mesh_groups"),
+    "distributed_train_step": ("distlab.train.trainer:Trainer", "distlab.train.trainer:build",
+                               "distlab.train.trainer:train", "distlab.train.trainer:_Bucket",
+                               "distlab.train.trainer:_Shards", "distlab.zero.grads:reduce_grads"),
+    "ring_attention": ("distlab.cp.ring:ring_attention", "distlab.cp.ring:_RingAttention"),
+    # the drop rule (moe.router.kept) and the one-process layer's sum (moe.layer.combine_local)
+    # are not answers: the lab's one-process MoE runs on them before the exercise
+    "moe_dispatch_combine": ("distlab.moe.dispatch:moe_dispatch_combine",),
     # lab 10: the casts (re-exported by distlab.fp8) are the exercise's own few lines
-    "fp8_linear": tuple(f"distlab.reference.fp8:{n}" for n in (
+    "fp8_linear": tuple(f"distlab.fp8.scaling:{n}" for n in (
         "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),
 }
 

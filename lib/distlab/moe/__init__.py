@@ -1,10 +1,13 @@
 """Mixture of experts and expert parallelism.
 
-- :mod:`~distlab.moe.router`: top-k routing, capacity, the load-balancing loss;
+- :mod:`~distlab.moe.router`: top-k routing, capacity and which assignments an expert
+  keeps, the load-balancing loss;
 - :mod:`~distlab.moe.layer`: the :class:`MoE` layer in one process (capacity and
   dropping) and :func:`moe_gpt`, the kit's GPT with MoE blocks;
-- :mod:`~distlab.moe.parallel`: :func:`expert_parallel` (E experts over W ranks,
-  dispatch and combine over ``all_to_all_single``) and :func:`sync_gradients`.
+- :mod:`~distlab.moe.dispatch`: the all-to-all dispatch and combine (lab 10's exercise
+  ``moe_dispatch_combine``: the module holds only that answer);
+- :mod:`~distlab.moe.parallel`: :func:`expert_parallel` (E experts over W ranks, with
+  that dispatch or one given) and :func:`sync_gradients`.
 
 The planner (:mod:`distlab.planner`) has no ep dimension yet.
 """

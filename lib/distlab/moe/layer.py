@@ -4,13 +4,12 @@
 lets each expert take at most its capacity, and sums the chosen experts' outputs
 weighted by the router. Which assignments an expert keeps follows GShard (Lepikhin et
 al. 2020, section 2.2): every token's first choice before any second choice, then token
-order. A dropped assignment adds nothing. That rule and the one-process dispatch are
-part of what lab 10's ``moe_dispatch_combine`` asks, so they live beside the library's
-answer in the private :mod:`distlab.moe._reference`.
+order (:func:`~distlab.moe.router.kept`). A dropped assignment adds nothing.
 
 The layer has no parallel code: ``layer.dispatch`` is the function that sends the
-tokens to the experts and sums what comes back; :func:`distlab.moe.expert_parallel`
-replaces it (and keeps only a rank's experts) from outside, as torchtitan does.
+tokens to the experts and sums what comes back, :func:`combine_local` in one process;
+:func:`distlab.moe.expert_parallel` replaces it (and keeps only a rank's experts) from
+outside, as torchtitan does.
 
 :func:`moe_gpt` is the kit's GPT (:mod:`distlab.model`) with every ``every``-th block's
 MLP an :class:`MoE`, so it trains on the same synthetic language with a known floor.
@@ -21,9 +20,8 @@ import torch
 import torch.nn as nn
 
 from distlab.model import GPT, MLP, GPTConfig
-from distlab.moe._reference import combine_local
 from distlab.moe.router import capacity as capacity_of
-from distlab.moe.router import load_balancing_loss, route
+from distlab.moe.router import kept, load_balancing_loss, route
 
 
 class MoE(nn.Module):
@@ -50,6 +48,17 @@ class MoE(nn.Module):
         self.last_ids = r.expert_ids.detach()
         cap = capacity_of(flat.shape[0], self.num_experts, self.k, self.capacity_factor)
         return self.dispatch(flat, r.expert_ids, r.weights, self.experts, cap).reshape(x.shape)
+
+
+def combine_local(x, expert_ids, weights, experts, capacity=None):
+    """Every expert in this process: ``sum_j weights[n, j] · expert_{ids[n, j]}(x[n])``
+    over the kept assignments of each token ``n``."""
+    keep = kept(expert_ids, len(experts), capacity)
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        n, j = ((expert_ids == e) & keep).nonzero(as_tuple=True)
+        y = y.index_add(0, n, expert(x[n]) * weights[n, j, None].to(x.dtype))
+    return y
 
 
 def moe_gpt(cfg: GPTConfig, num_experts: int, k: int = 2, every: int = 2,

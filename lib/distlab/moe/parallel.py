@@ -2,8 +2,10 @@
 
 :func:`expert_parallel` keeps on rank r of ``group`` only its ``E/W`` experts of each
 :class:`~distlab.moe.layer.MoE` layer and gives the layer the all-to-all dispatch and
-combine. Every other parameter is replicated: the ranks train as data-parallel replicas
-whose experts are shared, and :func:`sync_gradients` averages what must be averaged.
+combine (``dispatch``: the library's :func:`~distlab.moe.dispatch.moe_dispatch_combine`,
+or lab 10's own answer to it). Every other parameter is replicated: the ranks train as
+data-parallel replicas whose experts are shared, and :func:`sync_gradients` averages
+what must be averaged.
 """
 from __future__ import annotations
 
@@ -12,12 +14,15 @@ import functools
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.moe._reference import moe_dispatch_combine
+from distlab.moe.dispatch import moe_dispatch_combine
 from distlab.moe.layer import moe_layers
 
 
-def expert_parallel(model: nn.Module, group=None) -> nn.Module:
-    """Shard every MoE layer's experts over ``group`` (in place; returns ``model``)."""
+def expert_parallel(model: nn.Module, group=None, *,
+                    dispatch=moe_dispatch_combine) -> nn.Module:
+    """Shard every MoE layer's experts over ``group`` and make ``dispatch`` (with the
+    contract of lab 10's ``moe_dispatch_combine``) each layer's dispatch (in place;
+    returns ``model``)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     for layer in moe_layers(model):
         if layer.num_experts % world:
@@ -25,7 +30,7 @@ def expert_parallel(model: nn.Module, group=None) -> nn.Module:
                              f"ranks: choose a number of experts that is a multiple of {world}")
         local = layer.num_experts // world
         layer.experts = nn.ModuleList(list(layer.experts)[rank * local:(rank + 1) * local])
-        layer.dispatch = functools.partial(moe_dispatch_combine, group=group)
+        layer.dispatch = functools.partial(dispatch, group=group)
     return model
 
 

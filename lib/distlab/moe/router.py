@@ -8,6 +8,8 @@ which weight, how many an expert may take, and the loss that keeps them balanced
 * :func:`capacity`: the most assignments one expert takes from a batch of tokens,
   ``ceil(factor · tokens · k / experts)`` (Switch Transformer, Fedus et al. 2021,
   section 2.2); the rest are dropped, and the residual connection carries those tokens.
+* :func:`kept`: which assignments an expert takes within its capacity: every token's
+  first choice before any second choice, then token order (GShard, section 2.2).
 * :func:`load_balancing_loss`: Switch's auxiliary loss ``E · sum_e f_e P_e``, f_e the
   fraction of the assignments that went to expert e and P_e its mean probability; 1 when
   the load is even, E when one expert takes everything.
@@ -18,6 +20,7 @@ import dataclasses
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclasses.dataclass
@@ -44,6 +47,17 @@ def capacity(num_tokens: int, num_experts: int, k: int, factor: float | None) ->
     if factor <= 0:
         raise ValueError(f"capacity factor must be > 0 (or None for no limit), got {factor}")
     return math.ceil(factor * num_tokens * k / num_experts)
+
+
+def kept(expert_ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """(N, k) bool: which assignments their expert takes, at most ``capacity`` each,
+    first choices first, then in token order (None: all)."""
+    if capacity is None:
+        return torch.ones_like(expert_ids, dtype=torch.bool)
+    n, k = expert_ids.shape
+    onehot = F.one_hot(expert_ids.t().reshape(-1), num_experts)   # choice-major order
+    slot = ((onehot.cumsum(0) - 1) * onehot).sum(1)
+    return (slot < capacity).reshape(k, n).t()
 
 
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,9 @@ Attention heads cannot be split, so the head count must be a multiple of ``t``.
 
 - :mod:`~distlab.tp.ops`: the operators f and g, and the sequence-parallel pair;
 - :mod:`~distlab.tp.layers`: the layers built on them and the loss (lab 06's answers);
-- :mod:`~distlab.tp.parallelize`: the whole model, and torch's DTensor version beside it.
+- :mod:`~distlab.tp.sequence`: those layers' sequence-parallel wrappers;
+- :mod:`~distlab.tp.parallelize`: the whole model (from the library's layers or the
+  student's), and torch's DTensor version beside it.
 """
 from distlab.shards import shard_sizes
 from distlab.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -38,13 +40,15 @@ from distlab.tp.layers import (ColumnParallelLinear, RowParallelLinear, VocabPar
 from distlab.tp.ops import (all_gather_along, compute_dtype, copy_to_group, gather_from_group,
                             gather_sequence, reduce_from_group, reduce_scatter_sequence,
                             split_sequence)
-from distlab.tp.parallelize import (ParallelSelfAttention, allreduce_bytes_per_layer,
+from distlab.tp.parallelize import (ParallelSelfAttention, Split, allreduce_bytes_per_layer,
                                     allreduce_sequence_parallel_grads, dtensor_param_groups,
                                     full_grads, full_state_dict, heads_per_rank, parallel_attention,
                                     parallel_mlp, parallelize_with_torch, qkv_rows_by_rank,
                                     tensor_parallel)
+from distlab.tp.sequence import SequenceParallelColumn, SequenceParallelRow
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelColumn",
+           "SequenceParallelRow", "Split", "VocabParallelEmbedding",
            "all_gather_along", "compute_dtype", "copy_to_group",
            "gather_from_group", "gather_sequence", "reduce_from_group", "reduce_scatter_sequence",
            "split_sequence", "ParallelSelfAttention", "allreduce_bytes_per_layer",

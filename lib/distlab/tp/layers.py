@@ -15,8 +15,9 @@ answers: while lab 06 is graded it is absent from the graded ranks
   three all-reduces of ``b·s`` floats instead of gathering ``b·s·V`` logits (lab 06's
   core exercise).
 
-Each layer has ``full_parameters()`` (the whole layer's, gathered). The operators they
-are built on are in :mod:`distlab.tp.ops`.
+The operators they are built on are in :mod:`distlab.tp.ops`; sequence parallelism wraps
+the two linears (:mod:`distlab.tp.sequence`); :func:`distlab.tp.full_state_dict` gathers
+their shards back.
 """
 from __future__ import annotations
 
@@ -27,8 +28,7 @@ import torch.nn.functional as F
 
 from distlab.comm import in_group
 from distlab.shards import shard_sizes
-from distlab.tp.ops import (all_gather_along, compute_dtype, copy_to_group, gather_from_group,
-                            gather_sequence, reduce_from_group, reduce_scatter_sequence)
+from distlab.tp.ops import compute_dtype, copy_to_group, gather_from_group, reduce_from_group
 
 
 def _shard(tensor: torch.Tensor | None, dim: int, group) -> nn.Parameter | None:
@@ -37,17 +37,6 @@ def _shard(tensor: torch.Tensor | None, dim: int, group) -> nn.Parameter | None:
         return None
     piece = tensor.detach().tensor_split(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
     return nn.Parameter(piece.clone(), requires_grad=tensor.requires_grad)
-
-
-def _tensors(module: nn.Module, grads: bool) -> dict[str, torch.Tensor | None]:
-    """A module's own parameters, or their gradients, detached."""
-    pick = (lambda p: None if p.grad is None else p.grad.detach()) if grads else (
-        lambda p: p.detach())
-    return {n: pick(p) for n, p in module.named_parameters(recurse=False)}
-
-
-def _gather_or_none(x: torch.Tensor | None, dim: int, sizes: list[int], group):
-    return None if x is None else all_gather_along(x, dim, sizes, group)
 
 
 def _check_width(n: int, what: str, size: int, cls: str) -> None:
@@ -64,17 +53,15 @@ class ColumnParallelLinear(nn.Module):
     stores the output features as rows) and of ``linear.bias``. Takes the full input and
     returns this rank's slice of the output, or the full output with
     ``gather_output=True`` (an all-gather). The input's gradient is summed over the
-    group (f). With ``sequence_parallel=True`` the input is this rank's slice of the
-    sequence, all-gathered forward and reduce-scattered backward instead.
+    group (f).
 
     A rank that is not a member of ``group`` keeps no shard and its forward returns None
     at once, as torch.distributed's collectives do."""
 
-    def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False, *,
-                 sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
+        self.group, self.gather_output = group, gather_output
         if not in_group(group):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -86,26 +73,16 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.weight is None:
             return None
-        x = compute_dtype(x)
-        x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_group(x, self.group)
-        y = F.linear(x, self.weight, self.bias)
+        y = F.linear(copy_to_group(compute_dtype(x), self.group), self.weight, self.bias)
         if self.gather_output:
             return gather_from_group(y, -1, shard_sizes(self.out_features, dist.get_world_size(self.group)),
                                      self.group)
         return y
 
-    def full_parameters(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
-        """The whole weight and bias (or their gradients), gathered from every rank
-        (collective)."""
-        sizes = shard_sizes(self.out_features, dist.get_world_size(self.group))
-        return {n: _gather_or_none(t, 0, sizes, self.group)
-                for n, t in _tensors(self, grads).items()}
-
     def extra_repr(self) -> str:
         shard = None if self.weight is None else self.weight.shape[0]
         return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
-                f"{shard}), bias={self.bias is not None}, gather_output={self.gather_output}"
-                + (", sequence_parallel=True" if self.sequence_parallel else ""))
+                f"{shard}), bias={self.bias is not None}, gather_output={self.gather_output}")
 
 
 class RowParallelLinear(nn.Module):
@@ -114,16 +91,14 @@ class RowParallelLinear(nn.Module):
 
     Keeps this rank's ``tensor_split`` shard of the columns of ``linear.weight`` and the
     whole ``linear.bias``. Takes this rank's slice of the input features and all-reduces
-    the partial products (g), then adds the bias once. With ``sequence_parallel=True``
-    the sum is reduce-scattered along the sequence instead; the bias's gradient is then
-    partial (see :func:`allreduce_sequence_parallel_grads`).
+    the partial products (g), then adds the bias once.
 
     A rank that is not a member of ``group`` keeps no shard and its forward returns None."""
 
-    def __init__(self, linear: nn.Linear, group=None, *, sequence_parallel: bool = False):
+    def __init__(self, linear: nn.Linear, group=None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.group = group
         if not in_group(group):
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -132,8 +107,6 @@ class RowParallelLinear(nn.Module):
         self.weight = _shard(linear.weight, 1, group)
         self.bias = None if linear.bias is None else nn.Parameter(
             linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
-        if sequence_parallel and self.bias is not None:
-            self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.weight is None:
@@ -142,22 +115,13 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"RowParallelLinear takes this rank's slice of the input features: "
                              f"{self.weight.shape[1]} of {self.in_features}, got {x.shape[-1]}; feed "
                              f"it the output of a ColumnParallelLinear (gather_output=False)")
-        y = F.linear(x, self.weight)
-        y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else \
-            reduce_from_group(y, self.group)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
         return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def full_parameters(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
-        sizes = shard_sizes(self.in_features, dist.get_world_size(self.group))
-        full = _tensors(self, grads)
-        full["weight"] = _gather_or_none(full["weight"], 1, sizes, self.group)
-        return full
 
     def extra_repr(self) -> str:
         shard = None if self.weight is None else self.weight.shape[1]
         return (f"in_features={self.in_features} (this rank: {shard}), out_features="
-                f"{self.out_features}, bias={self.bias is not None}"
-                + (", sequence_parallel=True" if self.sequence_parallel else ""))
+                f"{self.out_features}, bias={self.bias is not None}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -181,10 +145,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
-
-    def full_parameters(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
-        sizes = shard_sizes(self.num_embeddings, dist.get_world_size(self.group))
-        return {"weight": _gather_or_none(_tensors(self, grads)["weight"], 0, sizes, self.group)}
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} tokens, this rank: {self.start}..."

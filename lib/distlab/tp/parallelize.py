@@ -3,6 +3,7 @@ heads, the MLP column then row, optionally the vocabulary and the sequence), and
 comparison with torch's own DTensor tensor parallelism."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
@@ -12,8 +13,10 @@ import torch.nn.functional as F
 
 from distlab import comm
 from distlab.comm import in_group
+from distlab.shards import shard_sizes
 from distlab.tp.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from distlab.tp.ops import gather_from_group, split_sequence
+from distlab.tp.ops import all_gather_along, gather_from_group, split_sequence
+from distlab.tp.sequence import SequenceParallelColumn, SequenceParallelRow
 
 
 def heads_per_rank(n_head: int, size: int) -> int:
@@ -75,29 +78,56 @@ def _grouped_attention(attn: nn.Module, size: int, column, row) -> ParallelSelfA
                                  d_model // attn.n_head, order)
 
 
-def parallel_attention(attn: nn.Module, group=None, *,
-                       sequence_parallel: bool = False) -> ParallelSelfAttention:
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How :func:`tensor_parallel` split a layer (kept on it as ``tp_split``): the
+    dimension of each split parameter (the others are whole), the shards' lengths along
+    it, the group. :func:`full_state_dict` gathers the shards back from it, whoever wrote
+    the layer."""
+    dims: dict
+    sizes: list
+    group: object
+
+
+def _split(layer: nn.Module, dims: dict, n: int, group) -> nn.Module:
+    layer.tp_split = Split(dims, shard_sizes(n, dist.get_world_size(group)), group)
+    return layer
+
+
+def _splitters(group, sequence_parallel: bool, column, row):
+    """The two functions that replace an ``nn.Linear`` by its column- or row-parallel
+    split over ``group`` (``column(linear, group)``, ``row(linear, group)``, wrapped for
+    sequence parallelism), each recorded (:class:`Split`)."""
+    col_seq, row_seq = ((SequenceParallelColumn, SequenceParallelRow) if sequence_parallel
+                        else (lambda m, _: m, lambda m, _: m))
+    return (lambda m: _split(col_seq(column(m, group), group), {"weight": 0, "bias": 0},
+                             m.out_features, group),
+            lambda m: _split(row_seq(row(m, group), group), {"weight": 1}, m.in_features, group))
+
+
+def parallel_attention(attn: nn.Module, group=None, *, sequence_parallel: bool = False,
+                       column=ColumnParallelLinear, row=RowParallelLinear) -> ParallelSelfAttention:
     """The GPT's :class:`~distlab.model.CausalSelfAttention` split by heads over
-    ``group``: qkv column-parallel over this rank's heads, proj row-parallel. One
+    ``group``: qkv ``column``-parallel over this rank's heads, proj ``row``-parallel. One
     all-reduce forward (in proj), one backward (at qkv's input)."""
     size = dist.get_world_size(group)
     heads_per_rank(attn.n_head, size)
-    return _grouped_attention(
-        attn, size, lambda m: ColumnParallelLinear(m, group, sequence_parallel=sequence_parallel),
-        lambda m: RowParallelLinear(m, group, sequence_parallel=sequence_parallel))
+    return _grouped_attention(attn, size, *_splitters(group, sequence_parallel, column, row))
 
 
-def parallel_mlp(mlp: nn.Module, group=None, *, sequence_parallel: bool = False) -> nn.Module:
-    """The GPT's :class:`~distlab.model.MLP`, in place: up column-parallel, down
-    row-parallel, so that GELU runs on this rank's hidden features and one all-reduce
+def parallel_mlp(mlp: nn.Module, group=None, *, sequence_parallel: bool = False,
+                 column=ColumnParallelLinear, row=RowParallelLinear) -> nn.Module:
+    """The GPT's :class:`~distlab.model.MLP`, in place: up ``column``-parallel, down
+    ``row``-parallel, so that GELU runs on this rank's hidden features and one all-reduce
     forward (in down) and one backward (at up's input) remain."""
-    mlp.up = ColumnParallelLinear(mlp.up, group, sequence_parallel=sequence_parallel)
-    mlp.down = RowParallelLinear(mlp.down, group, sequence_parallel=sequence_parallel)
+    split_column, split_row = _splitters(group, sequence_parallel, column, row)
+    mlp.up, mlp.down = split_column(mlp.up), split_row(mlp.down)
     return mlp
 
 
 def tensor_parallel(model: nn.Module, group=None, *, vocab_parallel: bool = False,
-                    sequence_parallel: bool = False) -> nn.Module:
+                    sequence_parallel: bool = False, column=ColumnParallelLinear,
+                    row=RowParallelLinear, embedding=VocabParallelEmbedding) -> nn.Module:
     """Make a :class:`distlab.model.GPT` tensor-parallel over ``group``, in place, by
     replacing its submodules; parameter names stay those of the GPT.
 
@@ -106,10 +136,14 @@ def tensor_parallel(model: nn.Module, group=None, *, vocab_parallel: bool = Fals
     head stay replicated unless ``vocab_parallel``: then the token embedding and the
     head (tied or not) are split over the vocabulary, the model returns this rank's
     slice of the logits, and the loss is :func:`vocab_parallel_cross_entropy`.
-    ``sequence_parallel`` runs LayerNorms and residuals on a slice of the sequence;
-    after backward, call :func:`allreduce_sequence_parallel_grads`.
+    ``sequence_parallel`` runs LayerNorms and residuals on a slice of the sequence
+    (:mod:`distlab.tp.sequence` wraps the split linears); after backward, call
+    :func:`allreduce_sequence_parallel_grads`.
 
-    Every rank must start from the same weights (same seed, or a broadcast)."""
+    ``column``, ``row`` and ``embedding``: the classes of the split layers, called as
+    ``cls(full_layer, group)`` (lab 06's exercises; the library's by default; a lab
+    passes the student's own). Every rank must start from the same weights (same seed,
+    or a broadcast)."""
     from distlab.model import GPT
 
     if not isinstance(model, GPT):
@@ -117,19 +151,20 @@ def tensor_parallel(model: nn.Module, group=None, *, vocab_parallel: bool = Fals
     if not in_group(group):
         raise ValueError("this rank is not in the tensor-parallel group: call tensor_parallel "
                          "only on the group's ranks")
-    if any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in model.modules()):
+    if any(isinstance(getattr(m, "tp_split", None), Split) for m in model.modules()):
         raise ValueError("this model is already tensor-parallel; build a fresh GPT")
     size = dist.get_world_size(group)
     heads_per_rank(model.cfg.n_head, size)
     tied = model.head.weight is model.tok_emb.weight
+    layers = dict(sequence_parallel=sequence_parallel, column=column, row=row)
 
     for block in model.blocks:
-        block.attn = parallel_attention(block.attn, group, sequence_parallel=sequence_parallel)
-        parallel_mlp(block.mlp, group, sequence_parallel=sequence_parallel)
+        block.attn = parallel_attention(block.attn, group, **layers)
+        parallel_mlp(block.mlp, group, **layers)
     if vocab_parallel:
-        head = model.head
-        model.tok_emb = VocabParallelEmbedding(model.tok_emb, group)
-        model.head = ColumnParallelLinear(head, group, sequence_parallel=sequence_parallel)
+        head, vocab = model.head, model.tok_emb.num_embeddings
+        model.tok_emb = _split(embedding(model.tok_emb, group), {"weight": 0}, vocab, group)
+        model.head = _splitters(group, sequence_parallel, column, row)[0](head)
         if tied:  # the same vocabulary rows on this rank: the tie holds shard by shard
             model.head.weight = model.tok_emb.weight
     if sequence_parallel:
@@ -177,9 +212,15 @@ def _gathered(model: nn.Module, tensors: dict, grads: bool) -> dict:
     out = {n: None if t is None else t.full_tensor() if isinstance(t, dtensor) else
            t.detach().clone() for n, t in tensors.items()}
     for name, module in model.named_modules(remove_duplicate=False):
-        if hasattr(module, "full_parameters"):
-            for key, value in module.full_parameters(grads).items():
-                out[f"{name}.{key}" if name else key] = value
+        split = getattr(module, "tp_split", None)
+        if isinstance(split, Split):
+            for key, dim in split.dims.items():
+                p = getattr(module, key)
+                if p is None:  # a linear without bias
+                    continue
+                t = p.grad if grads else p
+                out[f"{name}.{key}" if name else key] = None if t is None else all_gather_along(
+                    t.detach(), dim, split.sizes, split.group)
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, ParallelSelfAttention):
             for key in ("weight", "bias"):

@@ -1,8 +1,8 @@
 """The ring all-reduce, drawn: a step-by-step widget and the ring-vs-backend plot.
 
-:class:`RingStepper` shows K ranks (rows) × K chunks (columns) of a real run recorded
-by :func:`distlab.collectives.ring.record`: each cell names the partial sum that rank holds for
-that chunk (rank 0's contribution to chunk 2 is ``a2``, rank 1's ``b2``, ...), its
+:class:`RingStepper` shows K ranks (rows) × K chunks (columns) of the steps laid out by
+:func:`distlab.collectives.ring_traffic.record`: each cell names the partial sum that rank
+holds for that chunk (rank 0's contribution to chunk 2 is ``a2``, rank 1's ``b2``, ...), its
 colour says how many ranks are summed in, and arrows show what moved in the step.
 Each click on "next" is one step: K-1 of reduce-scatter, then K-1 of all-gather.
 Without a widget front end (GitHub, a static HTML export) the same object shows a
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from distlab.viz import png as _png
 
 if TYPE_CHECKING:  # the data only; viz never imports the code that made it
-    from distlab.collectives.ring import RingRecord
+    from distlab.collectives.ring_traffic import RingRecord
 
 
 def _name(rank: int) -> str:

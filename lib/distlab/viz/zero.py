@@ -2,7 +2,9 @@
 elements a sharded kernel updates, and a memory calculator.
 
 :class:`MemoryCalculator` takes any parameter count Ψ and number of GPUs N and shows the
-paper's bytes per GPU for data parallelism and the three stages, against a GPU's memory.
+paper's bytes per GPU for data parallelism and the three stages, against a GPU's memory,
+from a ``zero_bytes(num_params, world_size, stage)`` at K = 12 (default: the library's;
+lab 05 passes its ``zero_bytes_per_rank``).
 Without a widget front end (GitHub, a static HTML export) it shows the same as a table
 and a picture. The plots take plain numbers (dicts of bytes), never the objects that
 made them. matplotlib and ipywidgets are imported where they are used, so that the
@@ -139,11 +141,14 @@ def plot_coverage(rows: dict[str, np.ndarray], title: str = ""):
     return _done(fig)
 
 
-def calculator_table(num_params: float, world_size: int, k: float = 12) -> list[tuple]:
-    """(stage, formula, bytes per GPU) of data parallelism and the three stages."""
+def calculator_table(num_params: float, world_size: int, k: float = 12,
+                     zero_bytes=zero_bytes) -> list[tuple]:
+    """(stage, formula, bytes per GPU) of data parallelism and the three stages:
+    ``zero_bytes(num_params, world_size, stage)``'s bytes at K = 12, with the optimizer
+    state's K bytes per parameter moved to ``k`` (whole from stage 1 on: sharded)."""
     formulas = {0: "(4+K)Ψ", 1: "4Ψ + KΨ/N", 2: "2Ψ + (2+K)Ψ/N", 3: "(4+K)Ψ/N"}
-    return [(STAGE_NAMES[s], formulas[s], zero_bytes(num_params, world_size, s, k))
-            for s in STAGES]
+    return [(STAGE_NAMES[s], formulas[s], zero_bytes(num_params, world_size, s)
+             + (k - 12) * num_params / (1 if s == 0 else world_size)) for s in STAGES]
 
 
 def _log_bytes_axis(ax, low: float, high: float) -> None:
@@ -161,13 +166,13 @@ def _log_bytes_axis(ax, low: float, high: float) -> None:
 
 
 def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | None = None,
-                      k: float = 12):
+                      k: float = 12, zero_bytes=zero_bytes):
     """Bars of :func:`calculator_table` on a log scale, each one's bytes under its name,
     and one GPU's memory as a dashed line keyed beside the axes (the labels stay clear
     of the line and of the frame whatever the numbers)."""
     import matplotlib.pyplot as plt
 
-    table = calculator_table(num_params, world_size, k)
+    table = calculator_table(num_params, world_size, k, zero_bytes)
     fig, ax = plt.subplots(figsize=(6.5, 3.2))
     values = [b for _, _, b in table]
     ax.bar(range(len(table)), values, color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
@@ -187,12 +192,15 @@ def calculator_figure(num_params: float, world_size: int, gpu_bytes: float | Non
 
 class MemoryCalculator:
     """Bytes per GPU of data parallelism and ZeRO stages 1-3 for any Ψ and N (the
-    paper's formulas, mixed-precision Adam), against a chosen GPU's memory. Displayed,
-    it is its ipywidgets box (``.widget``); as a static output, a table and a picture."""
+    paper's formulas, mixed-precision Adam, from ``zero_bytes``: see
+    :func:`calculator_table`), against a chosen GPU's memory. Displayed, it is its
+    ipywidgets box (``.widget``); as a static output, a table and a picture."""
 
     def __init__(self, num_params: float = 7.5e9, world_size: int = 64,
-                 gpu: str = "H200 (141 GB)"):
+                 gpu: str = "H200 (141 GB)", zero_bytes=zero_bytes):
         import ipywidgets as widgets
+
+        self.zero_bytes = zero_bytes
 
         self.psi = widgets.FloatText(value=num_params, description="parameters Ψ",
                                      style={"description_width": "initial"})
@@ -220,25 +228,26 @@ class MemoryCalculator:
         rows = "".join(
             f"<tr><td>{name}</td><td>{formula}</td><td{right}>{b / 1e9:,.1f} GB</td>"
             f"<td>{'fits' if b <= limit else 'does not fit'}</td></tr>"
-            for name, formula, b in calculator_table(psi, n, k))
+            for name, formula, b in calculator_table(psi, n, k, self.zero_bytes))
         self.table.value = (f"<table style='border-spacing: 1.2em 0.2em'><tr>"
                             f"<th{left}>strategy</th><th{left}>formula</th>"
                             f"<th{right}>bytes per GPU</th><th{left}>in one {self.gpu.value}</th>"
                             f"</tr>{rows}</table>")
-        self.image.value = png(calculator_figure(psi, n, limit, k))
+        self.image.value = png(calculator_figure(psi, n, limit, k, self.zero_bytes))
 
     def __repr__(self) -> str:
         psi, n, k = self._values()
         lines = [f"ZeRO memory per GPU, Ψ = {psi:,.0f}, N = {n}, K = {k:g}:"]
         lines += [f"  {name:<14} {formula:<16} {b / 1e9:>10,.1f} GB"
-                  for name, formula, b in calculator_table(psi, n, k)]
+                  for name, formula, b in calculator_table(psi, n, k, self.zero_bytes)]
         return "\n".join(lines)
 
     def _repr_mimebundle_(self, **kwargs):
         data = self.widget._repr_mimebundle_(**kwargs) or {}
         psi, n, k = self._values()
         data["text/plain"] = repr(self)
-        data["image/png"] = png(calculator_figure(psi, n, GPUS[self.gpu.value], k))
+        data["image/png"] = png(calculator_figure(psi, n, GPUS[self.gpu.value], k,
+                                                  self.zero_bytes))
         return data
 
 

@@ -10,7 +10,8 @@ ranks shard, instead of replicating, what training keeps per parameter.
 Modules, one concept each:
 
 * :mod:`~distlab.zero.flat`: the API of flat sharded buffers (:class:`FlatParams`, one
-  sharded unit; the padded layout and the two collectives), documented there;
+  sharded unit; the padded layout and the two collectives), documented there, and
+  :mod:`~distlab.zero.collective` (a collective in flight, a group's source rank);
 * :func:`adamw_`: AdamW on flat tensors, in place (``adamw_(param, grad, state, lr=1e-3,
   betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)``; ``state``, empty at the first step,
   keeps ``step``, ``exp_avg`` and ``exp_avg_sq``), as ``torch.optim.AdamW`` computes it;
@@ -19,18 +20,18 @@ Modules, one concept each:
 * :mod:`~distlab.zero.scaler`: :class:`DynamicLossScaler` for fp16;
 * :mod:`~distlab.zero.kernel`: the sharded AdamW update as a CUDA kernel (cupy).
 
-:mod:`distlab.zero.memory` accounts the bytes each rank holds. The code of
-:class:`FlatParams`, :func:`adamw_` and :func:`zero2_step` is in
-:mod:`distlab.reference.zero`: the library's answers to the labs' exercises live in
-:mod:`distlab.reference`, and reading them before your work is graded defeats the
-exercise.
+:mod:`distlab.zero.memory` accounts the bytes each rank holds. Lab 05's answers are
+modules here: :mod:`~distlab.zero.formula` (bytes per rank), :mod:`~distlab.zero.step`
+(:func:`zero2_step`, :func:`adamw_`), :mod:`~distlab.zero.flat` and
+:mod:`~distlab.zero.fsdp`; lab 09's :mod:`~distlab.zero.grads`. Reading them before your
+work is graded defeats the exercise.
 """
 from distlab.shards import shard_range
-from distlab.reference.zero import adamw_, zero2_step
 from distlab.zero.flat import FlatParams, Layout
 from distlab.zero.fsdp import FullyShardedDataParallel
 from distlab.zero.optimizer import ShardedOptimizer
 from distlab.zero.scaler import DynamicLossScaler
+from distlab.zero.step import adamw_, zero2_step
 
 __all__ = ["DynamicLossScaler", "FlatParams", "FullyShardedDataParallel", "Layout",
            "ShardedOptimizer", "adamw_", "shard_range", "zero2_step"]

@@ -5,7 +5,7 @@ With mixed-precision Adam each parameter costs 2 bytes of fp16/bf16 weights, 2 o
 gradients and K = 12 of optimizer state (fp32 master weights, momentum and variance)
 (Rajbhandari et al. 2020, "ZeRO", section 3.1). Over N ranks, per rank
 (``zero_bytes(num_params, world_size, stage, k=12)``, lab 05's exercise, whose code is in
-:mod:`distlab.reference.memory`):
+:mod:`distlab.zero.formula`):
 
 | stage | shards | bytes per rank |
 | --- | --- | --- |
@@ -42,10 +42,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distlab.reference.memory import STAGES, zero_bytes
 from distlab.shards import shard_range
 from distlab.zero.flat import Layout
+from distlab.zero.formula import zero_bytes
 
+STAGES = (0, 1, 2, 3)  # 0: plain data parallelism
+__all__ = ["STAGES", "STAGE_NAMES", "CudaMeter", "RankBytes", "StorageTracker", "accounting",
+           "held_bytes", "live_bytes", "meter", "step_buffers", "units_of", "zero_bytes"]
 STAGE_NAMES = {0: "data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
 

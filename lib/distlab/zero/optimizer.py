@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from distlab.comm import check_group
-from distlab.reference.grads import reduce_grads
 from distlab.zero.flat import FlatParams
+from distlab.zero.grads import reduce_grads
 
 
 class ShardedOptimizer(torch.optim.Optimizer):

@@ -4,8 +4,9 @@ One launch per exercise, world size and group runs the student's function on eve
 case (lengths 0, 1, < K, prime, large; float32, float16, bfloat16, int64) and returns
 plain data only: per case, the answer, the input as it was left, and the CommLog
 records. Every check runs here, in the test process: the answer against the sum
-computed here, the traffic against a ring (:func:`distlab.collectives.ring.check_traffic`), and all
-ranks' calls against NCCL's rules (:func:`distlab.collectives.p2p_check.nccl_deadlock`).
+computed here, the traffic against a ring
+(:func:`distlab.collectives.ring_traffic.check_traffic`), and all ranks' calls against
+NCCL's rules (:func:`distlab.collectives.p2p_check.nccl_deadlock`).
 
 ring_reduce_scatter's traffic points rest on the bytes counted on the wire during the
 launch (:mod:`distlab.grading.wire`): a ring moves (K-1)/K of the buffer per rank, and
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distlab import launch
-from distlab.collectives import ring
+from distlab.collectives import ring_traffic
 from distlab.comm import CommLog
 from distlab.grading import expect_close, wire
 from distlab.collectives.p2p_check import nccl_deadlock
@@ -179,24 +180,24 @@ def check_traffic(name, runs, members, world_size):
         for (shape, dtype), found in zip(cases(name, len(members)), runs[rank]["cases"]):
             what = describe(shape, dtype, members, world_size)
             log = CommLog.from_records(found["log"], rank)
-            problem = ring.check_traffic(log, OPS[name], torch.Size(shape).numel(),
-                                         torch.empty((), dtype=dtype).element_size(),
-                                         ranks=list(members))
+            problem = ring_traffic.check_traffic(log, OPS[name], torch.Size(shape).numel(),
+                                                 torch.empty((), dtype=dtype).element_size(),
+                                                 ranks=list(members))
             assert problem is None, f"{what}: {problem}"
 
 
 def check_wire(name, members, world_size):
     """ring_reduce_scatter: the bytes counted on the wire during the launch, at most what
-    a ring moves on every case (:func:`distlab.collectives.ring.bytes_sent`, summed over
-    the members); a subgroup's handshakes fall within the wire's slack. The other two
+    a ring moves on every case (:func:`distlab.collectives.ring_traffic.bytes_sent`, summed
+    over the members); a subgroup's handshakes fall within the wire's slack. The other two
     exercises are not checked: gloo's own all_gather and all_reduce move exactly what
     their rings move, so the bytes would pass a forged log (their points stay
     self-reported)."""
     if name != "ring_reduce_scatter":
         return
     op, K = OPS[name], len(members)
-    ring_bytes = sum(ring.bytes_sent(op, torch.Size(shape).numel(),
-                                     torch.empty((), dtype=dtype).element_size(), r, K)
+    ring_bytes = sum(ring_traffic.bytes_sent(op, torch.Size(shape).numel(),
+                                             torch.empty((), dtype=dtype).element_size(), r, K)
                      for shape, dtype in cases(name, K) for r in range(K))
     wire.at_most(_readings[(name, tuple(members), world_size)], ring_bytes,
                  f"{name}, all cases {where(members, world_size)} (a ring moves (K-1)/K of "

@@ -1,11 +1,14 @@
 """Exercise bubble_fraction(num_stages, num_microbatches) of lab 07: the idle fraction
-(p-1)/(m+p-1) of GPipe and 1F1B on equal stages. Expected values come from the
-library's ideal clock (distlab.pp.simulate), computed here; the student's function runs
-with the library's bubble_fraction and schedules refused (pp_cases.answers)."""
+(p-1)/(m+p-1) of GPipe and 1F1B on equal stages. Expected values: the GPipe paper's
+formula (Huang et al. 2019), and, for the tables written out in
+pp_cases.TABLES, the idle time of the library's ideal clock (distlab.pp.simulate),
+computed here; the student's function runs with the library's bubble_fraction and
+schedules refused (pp_cases.answers)."""
 import pytest
 
 from distlab import pp
-from pp_cases import NOT_INTS, answer, check_bad_sizes, check_not_ints, check_own_answer
+from pp_cases import (NOT_INTS, TABLES, answer, check_bad_sizes, check_not_ints,
+                      check_own_answer, expected_table)
 
 NOTEBOOK = "07_pipeline_parallel"
 # The hint to open (lab 07, section 3) beside each test's failure: 1 the formula's two
@@ -18,7 +21,8 @@ NAME = "bubble_fraction"
 GRID = [(p, m) for p in (4, 2, 8, 3, 1, 5, 6, 7) for m in (8, 1, 3, 16, 2, 4, 5, 7, 12)]
 LIMITS = [(p, m) for p in (2, 4, 8) for m in (1, 4, 16, 64, 1024)]
 BAD_SIZES = [(0, 4), (2, 0), (-2, 5)]
-CASES = sorted(set(GRID + LIMITS + BAD_SIZES + [(1, 1), (1, 2), (1, 7)])) + NOT_INTS
+PLAYED = sorted({(p, m) for _, p, m in TABLES})  # the sizes of the written-out tables
+CASES = sorted(set(GRID + LIMITS + PLAYED + BAD_SIZES + [(1, 1), (1, 2), (1, 7)])) + NOT_INTS
 SLIPS = {  # common slips, recognised to say what went wrong
     "the denominator is m+p-1 slots (m micro-batches plus p-1 to fill and drain the "
     "pipeline), not m+p": lambda p, m: (p - 1) / (m + p),
@@ -34,14 +38,21 @@ def bubble(student, p, m):
     return answer(student.bubble_fraction, NAME, (p, m), CASES)
 
 
-def ideal(p, m):
-    """The idle fraction of 1F1B played on the ideal clock (backward = 2 x forward)."""
-    return pp.idle_fraction(pp.simulate(pp.one_f_one_b_schedule(p, m)), p)
+def published(p, m):
+    """The bubble of the GPipe paper: p-1 of the m+p-1 slots of a step idle."""
+    return (p - 1) / (m + p - 1)
+
+
+def played(schedule, p, m):
+    """The idle fraction of a written-out table on the ideal clock (backward = 2 x forward)."""
+    return pp.idle_fraction(pp.simulate(expected_table(schedule, p, m)), p)
 
 
 def test_matches_the_ideal_schedule(student):
-    for p, m in GRID:
-        got, want = bubble(student, p, m), ideal(p, m)
+    cases = [(p, m, published(p, m)) for p, m in GRID]
+    cases += [(p, m, played(schedule, p, m)) for schedule, p, m in TABLES]
+    for p, m, want in cases:
+        got = bubble(student, p, m)
         if got != pytest.approx(want, abs=1e-12):
             hint = next((why for why, slip in SLIPS.items()
                          if want != pytest.approx(slip(p, m)) and

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from distlab import launch
 from distlab.comm import CommLog
+from distlab.fp8.formats import sqnr
 
 NOTEBOOK = "10_long_context_experts"
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get these helpers
@@ -240,8 +241,6 @@ def test_the_bias_and_its_gradient_stay_float32(student):
 
 
 def test_sqnr_against_the_float32_layer_is_at_least_20_db(student):
-    from distlab.fp8 import sqnr
-
     x, w, b, g = (t.clone().requires_grad_() for t in data("dense"))
     y = F.linear(x, w, b)
     y.backward(g.detach())

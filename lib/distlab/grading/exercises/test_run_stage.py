@@ -32,9 +32,10 @@ import torch.nn.functional as F
 from distlab import launch, pp
 from distlab.collectives.p2p_check import nccl_deadlock
 from distlab.comm import CommLog
+from distlab.data import NGramLanguage
 from distlab.grading import expect_close
-from distlab.model import GPT
-from pp_cases import CFG, LANG, SEQ, sgd
+from distlab.model import GPT, config
+from pp_cases import expected_table
 
 NOTEBOOK = "07_pipeline_parallel"
 CORE = True  # one of its lab's core exercises (listed so in the lab and the README)
@@ -62,7 +63,9 @@ HINTS = {"*": {
     'deadlock': 4,
 }}
 TIMEOUT = 30  # seconds per launch; a correct one takes one or two (a few on a loaded machine)
-STEPS, LR = 2, 0.5
+VOCAB, SEQ, STEPS, LR = 13, 8, 2, 0.5
+LANG = NGramLanguage(VOCAB, 3, seed=0)
+CFG = config("test", vocab_size=VOCAB, n_layer=2)
 FROZEN, UNUSED = "blocks.0.ln1.bias", "blocks.1.unused"
 TIED = ("tok_emb.weight", "head.weight")  # one tensor: the first stage's and the last's
 TITLE = {"gpipe": "GPipe", "1f1b": "1F1B"}
@@ -83,13 +86,22 @@ def named(module):
     return module.named_parameters(remove_duplicate=False)
 
 
+def sgd(module, lr):
+    """One SGD step of ``module``, gradients cleared."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+                p.grad = None
+
+
 # ---------------------------------------------------------------------- in the ranks
 
 
 def train(run_stage, table, m, batch, members=None):
     """STEPS SGD steps of this rank's stage with the student's ``run_stage`` on ``table``
-    (the library's, built in the test process: the schedules answer this lab's other
-    exercises, absent from the ranks); plain data back. With ``members`` (global ranks),
+    (written out in pp_cases.TABLES: the schedules answer this lab's other exercises,
+    absent here and in the ranks); plain data back. With ``members`` (global ranks),
     the pipeline is the group of those ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(members)) if members else None
@@ -168,7 +180,7 @@ def check_raises(student, kind):
         what = f"run_stage on 2 ranks with {case}"
         try:
             ranks = launch.run(error_case, 2, student.run_stage, case,
-                               pp.build_schedule("gpipe", *error_sizes(case)), backend="gloo",
+                               expected_table("gpipe", *error_sizes(case)), backend="gloo",
                                timeout=TIMEOUT / 2)
         except launch.LaunchTimeout:
             raise AssertionError(f"{what}: the stages waited for each other until the time "
@@ -257,7 +269,7 @@ def outcome(student, schedule, p, m, batch, members=None, world=None):
         else:
             try:
                 _runs[key] = launch.run(train, world or p, student.run_stage,
-                                        pp.build_schedule(schedule, p, m), m, batch, members,
+                                        expected_table(schedule, p, m), m, batch, members,
                                         backend="gloo", timeout=TIMEOUT)
             except launch.LaunchTimeout as exc:
                 _deadlock.append(exc)

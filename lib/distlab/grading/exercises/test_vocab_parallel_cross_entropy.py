@@ -381,7 +381,7 @@ def check_gradient(case, out):
         if gsize > 1 and close(grad, gsize * want, rtol=1e-6, atol=1e-9):
             raise AssertionError(
                 f"{what}: the gradient is {gsize} times too large: the sums' backward must be the "
-                f"identity (Megatron's g, tp.reduce_from_group): every rank already holds the "
+                f"identity (Megatron's g, your ReduceFromGroup): every rank already holds the "
                 f"whole loss, so its gradient must not be summed over the group again")
         expect_close(grad.double(), want, f"{what}: the gradient of this rank's logits "
                      f"(softmax - one_hot of the target, divided by {N}, on this rank's tokens)",

@@ -18,7 +18,6 @@ import torch.distributed as dist
 from distlab import launch
 from distlab.comm import CommLog
 from distlab.grading import expect_close
-from distlab.zero import shard_range
 
 NOTEBOOK = "05_zero"
 # the hint a student failing each test should open (Hint 1: the three moves; 2: equal
@@ -108,6 +107,12 @@ def moments(state):
     return found
 
 
+def shard_bounds(rank, world):
+    """``(start, end)`` of ``rank``'s shard of the buffer: torch.tensor_split's piece."""
+    pieces = torch.arange(NUMEL).tensor_split(world)
+    return sum(map(len, pieces[:rank])), sum(map(len, pieces[:rank + 1]))
+
+
 WORLDS = [1, 2, 3, 4]
 MULTI = [2, 3, 4]
 
@@ -128,7 +133,7 @@ def test_the_moments_are_those_of_the_mean_gradient(student, world):
     with it), so a summed gradient shows in the state, not in the parameters."""
     ref, summed = reference(world), reference(world, grad_scale=world)
     for rank, out in enumerate(run(student, world)):
-        start, end = shard_range(NUMEL, rank, world)
+        start, end = shard_bounds(rank, world)
         m, v = moments(out[0]["state"])
         if m.numel() != end - start:
             continue              # the size is the next test's business
@@ -149,7 +154,7 @@ def test_the_moments_are_those_of_the_mean_gradient(student, world):
 @pytest.mark.parametrize("world", MULTI)
 def test_the_state_holds_this_ranks_shard_only(student, world):
     for rank, out in enumerate(run(student, world)):
-        start, end = shard_range(NUMEL, rank, world)
+        start, end = shard_bounds(rank, world)
         for m in moments(out[-1]["state"]):
             assert m.numel() == end - start, (
                 f"rank {rank} of {world}: a moment in state has {m.numel()} elements, but this "
@@ -210,7 +215,7 @@ def test_every_rank_holds_every_updated_shard(student, world):
     for step in range(STEPS):
         for rank in range(world):
             for other in range(world):
-                start, end = shard_range(NUMEL, other, world)
+                start, end = shard_bounds(other, world)
                 got, want = out[rank][step]["params"], out[other][step]["params"]
                 if not torch.equal(got[start:end], want[start:end]):
                     raise AssertionError(

@@ -1,8 +1,8 @@
-"""FP8 casts: the answer to lab 10's ``fp8_linear`` (its dynamic scaling, cast and
-dequantization) and the recipes built from the same pieces (rowwise, delayed, the
+"""FP8 casts: the library's answer to lab 10's ``fp8_linear`` (its dynamic scaling, cast
+and dequantization; this module holds only answers, and the grader refuses them while
+grading the exercise) and the recipes built from the same pieces (rowwise, delayed, the
 sharded amax). What each recipe means, and why a sharded amax is all-reduced with MAX,
-is told in :mod:`distlab.fp8`, which re-exports these (Micikevicius et al. 2022, "FP8
-Formats for Deep Learning").
+is told in :mod:`distlab.fp8`, which re-exports these.
 """
 from __future__ import annotations
 
@@ -11,18 +11,7 @@ import collections
 import torch
 import torch.distributed as dist
 
-FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (its cast is zeros), not inf
-
-
-def dtype_of(fmt) -> torch.dtype:
-    """The torch dtype of ``fmt`` ("e4m3", "e5m2", or one of the two dtypes)."""
-    if fmt in FORMATS.values():
-        return fmt
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown FP8 format {fmt!r}; choose one of {sorted(FORMATS)} "
-                         f"(torch.float8_e4m3fn, torch.float8_e5m2)")
-    return FORMATS[fmt]
+from distlab.fp8.formats import AMAX_FLOOR, dtype_of
 
 
 def amax(x: torch.Tensor, rowwise: bool = False, group=None) -> torch.Tensor:

@@ -1,12 +1,11 @@
-"""The library's expert-parallel dispatch and combine: the answer to lab 10's exercise
-``moe_dispatch_combine``.
-
-Private on purpose (the lab never sends a student here; the grader refuses it while
-grading that exercise). Everyone else reaches it through :func:`distlab.moe.expert_parallel`.
+"""Expert-parallel dispatch and combine: the library's answer to lab 10's exercise
+``moe_dispatch_combine`` (this module holds only that answer; the grader refuses it
+while grading the exercise). Everyone else reaches it through
+:func:`distlab.moe.expert_parallel`.
 
 E experts over the W ranks of a group, ``L = E / W`` each (expert e on rank e // L).
-Dispatch: the kept assignments (:func:`kept`, this rank's tokens and capacity) sorted
-by expert, hence by destination; the per-expert counts exchanged (one
+Dispatch: the kept assignments (:func:`~distlab.moe.router.kept`, this rank's tokens and
+capacity) sorted by expert, hence by destination; the per-expert counts exchanged (one
 ``all_to_all_single`` of E integers); the rows in one ``all_to_all_single`` with those
 split sizes. Each local expert runs once on its rows (source rank order). Combine: the
 reverse ``all_to_all_single``, un-permuted, and the router-weighted sum per token. Autograd
@@ -17,31 +16,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from distlab.collectives.alltoall import exchange
-
-
-def kept(expert_ids: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
-    """(N, k) bool: which assignments their expert takes, at most ``capacity`` each,
-    first choices first, then in token order (None: all)."""
-    if capacity is None:
-        return torch.ones_like(expert_ids, dtype=torch.bool)
-    n, k = expert_ids.shape
-    onehot = F.one_hot(expert_ids.t().reshape(-1), num_experts)   # choice-major order
-    slot = ((onehot.cumsum(0) - 1) * onehot).sum(1)
-    return (slot < capacity).reshape(k, n).t()
-
-
-def combine_local(x, expert_ids, weights, experts, capacity=None):
-    """Every expert in this process: ``sum_j weights[n, j] · expert_{ids[n, j]}(x[n])``
-    over the kept assignments of each token ``n``."""
-    keep = kept(expert_ids, len(experts), capacity)
-    y = torch.zeros_like(x)
-    for e, expert in enumerate(experts):
-        n, j = ((expert_ids == e) & keep).nonzero(as_tuple=True)
-        y = y.index_add(0, n, expert(x[n]) * weights[n, j, None].to(x.dtype))
-    return y
+from distlab.moe.router import kept
 
 
 def moe_dispatch_combine(x, expert_ids, weights, experts, capacity=None, group=None):

@@ -15,16 +15,15 @@ reduce-scattered while backward runs; ``precision`` is "bf16" (autocast, fp32 ma
 "fp16" (the same with a dynamic loss scale), "fp32" or "fp64" (the tests' reference
 mode). A :class:`Trainer` is saved and loaded at another layout by :mod:`distlab.checkpoint`.
 
-It is lab 09's ``distributed_train_step`` grown into a trainer, so the code lives with the
-library's answers (:mod:`distlab.reference`): read it after your step is graded.
+It is lab 09's ``distributed_train_step`` grown into a trainer, so its code is an answer
+(:mod:`distlab.train.trainer`): read it after your step is graded.
 
 ``python -m distlab.train --dp 2 --tp 2 --pp 2 --steps 20 --model tiny`` trains on
 :class:`distlab.data.NGramLanguage` through :func:`distlab.launch.run` (gloo on CPUs),
 or in-process under ``torchrun --nproc-per-node 8 -m distlab.train ...``.
 """
-from distlab.reference.train import PRECISIONS, Trainer, build, main, train
+from distlab.train.cli import main
+from distlab.train.precision import PRECISIONS
+from distlab.train.trainer import Trainer, build, train
 
 __all__ = ["PRECISIONS", "Trainer", "build", "main", "train"]
-
-if __name__ == "__main__":
-    raise SystemExit(main())

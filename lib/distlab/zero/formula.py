@@ -2,15 +2,13 @@
 (Rajbhandari et al. 2020, section 3.1), used through :mod:`distlab.zero.memory`."""
 from __future__ import annotations
 
-STAGES = (0, 1, 2, 3)
-
 
 def zero_bytes(num_params: float, world_size: int, stage: int, k: float = 12) -> float:
     """Bytes per rank for ``num_params`` (Ψ) parameters over ``world_size`` ranks with
     mixed-precision Adam (the paper's formula; ``k`` bytes of optimizer state per
-    parameter)."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be one of {STAGES} (0 is plain data parallelism), "
+    parameter); ``stage`` 0 is plain data parallelism."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be one of (0, 1, 2, 3) (0 is plain data parallelism), "
                          f"got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -6,8 +6,10 @@ only that answer: while lab 09 is graded it is absent from the graded ranks
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from distlab.reference.zero import FlatParams, Pending, all_reduce_mean, reduce_scatter_mean
+from distlab.zero.collective import Pending
+from distlab.zero.flat import FlatParams, reduce_scatter_mean
 
 
 def reduce_grads(unit: FlatParams, async_op: bool = False) -> Pending:
@@ -21,7 +23,7 @@ def reduce_grads(unit: FlatParams, async_op: bool = False) -> Pending:
         flat = torch.cat([p.grad.reshape(-1).to(unit.dtype) if p.grad is not None else
                           p.new_zeros(n, dtype=unit.dtype)
                           for p, n in zip(unit.params, unit.numels)])
-        pending = all_reduce_mean(flat, unit.group, async_op) if unit.replicated else \
+        pending = _all_reduce_mean(flat, unit.group, async_op) if unit.replicated else \
             reduce_scatter_mean(flat, unit.layout, unit.group, async_op)
     return Pending(pending.work, lambda: _add_to_pieces(unit, pending.finish(), had))
 
@@ -40,3 +42,14 @@ def _add_to_pieces(unit: FlatParams, shard: torch.Tensor, had: list[bool]) -> No
                 piece.grad = g.to(unit.master_dtype, copy=True)
             else:
                 piece.grad.add_(g)
+
+
+def _all_reduce_mean(flat: torch.Tensor, group=None, async_op: bool = False) -> Pending:
+    """The mean of ``flat`` over the group, in place: one all-reduce (SUM, then the same
+    division as :func:`~distlab.zero.flat.reduce_scatter_mean`, so a replicated gradient
+    is rounded as a sharded one and as :class:`distlab.dp.DataParallel`'s)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return Pending(None, lambda: flat)
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return Pending(work if async_op else None, lambda: flat.div_(world))

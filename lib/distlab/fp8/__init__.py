@@ -5,7 +5,8 @@ Formats (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"): **E4M3**
 (``torch.float8_e4m3fn``: 4 exponent bits, 3 mantissa bits, no infinity, largest 448) for
 what needs precision (activations, weights), **E5M2** (``torch.float8_e5m2``: 5 and 2, the
 IEEE layout, largest 57344) for what needs range (gradients). :func:`describe` reads
-their range and precision from ``torch.finfo``.
+their range and precision from ``torch.finfo`` and :func:`sqnr` measures a cast's error
+(:mod:`~distlab.fp8.formats`).
 
 Scaling. A tensor x goes to format f as ``q = cast(x · s)``, saturated at ±max_f, and
 comes back as ``q / s``. The scale ``s = max_f / amax`` puts the largest magnitude
@@ -26,35 +27,13 @@ Cast with that, the shards use different scales, and the sharded tensor is not t
 process's tensor cast. All-reduced with MAX over the group first (``group=``), every
 rank uses the whole tensor's amax, and the sharded cast equals the unsharded one bit
 for bit: a cast is elementwise once the scale is fixed.
+
+The casts (:mod:`~distlab.fp8.scaling`) are lab 10's exercise ``fp8_linear``: that module
+holds only answers.
 """
-from __future__ import annotations
+from distlab.fp8.formats import AMAX_FLOOR, FORMATS, describe, dtype_of, sqnr
+from distlab.fp8.scaling import (DelayedScaling, amax, cast, dequantize, quantize, round_trip,
+                                 scale_for)
 
-import math
-
-import torch
-
-# the casts are lab 10's exercise: they live with the library's answers
-from distlab.reference.fp8 import (AMAX_FLOOR, FORMATS, DelayedScaling, amax, cast,  # noqa: F401
-                                   dequantize, dtype_of, quantize, round_trip, scale_for)
-
-
-def describe(fmt) -> dict:
-    """Range and precision of ``fmt``, from ``torch.finfo``: the largest value, the
-    smallest normal and subnormal ones, the relative step between neighbours (eps, 2^-m
-    for m mantissa bits) and the dynamic range in binades (factors of 2)."""
-    info = torch.finfo(dtype_of(fmt))
-    subnormal = info.tiny * info.eps
-    return {"dtype": str(dtype_of(fmt)).removeprefix("torch."), "max": info.max,
-            "smallest normal": info.tiny, "smallest subnormal": subnormal, "eps": info.eps,
-            "mantissa bits": round(-math.log2(info.eps)),
-            "binades": math.log2(info.max / subnormal)}
-
-
-def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB, ``20 log10(‖ref‖ / ‖ref − approx‖)``
-    (inf when equal): the measure torchao's float8 tests hold to 20 dB or more."""
-    ref, approx = reference.detach().double(), approx.detach().double()
-    noise = (ref - approx).norm()
-    if noise == 0:
-        return math.inf
-    return float(20 * torch.log10(ref.norm() / noise))
+__all__ = ["AMAX_FLOOR", "FORMATS", "DelayedScaling", "amax", "cast", "dequantize", "describe",
+           "dtype_of", "quantize", "round_trip", "scale_for", "sqnr"]

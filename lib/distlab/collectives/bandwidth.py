@@ -1,8 +1,12 @@
-"""Lab 01's answer ``bus_bandwidth`` at its core: nccl-tests' factor from a collective's
-algorithm bandwidth (bytes / time) to its bus bandwidth, the rate each link carries, so
-that one number compares every collective and every world size (nccl-tests'
-doc/PERFORMANCE.md). The rest of the library uses it through
-:func:`distlab.comm.bus_factor`.
+"""Lab 01's answer ``bus_bandwidth``: nccl-tests' bus bandwidth of a collective, the rate
+each link carries, from its algorithm bandwidth (bytes / time) times a factor of the op
+and the world size, so that one number compares every collective and every world size
+(nccl-tests' doc/PERFORMANCE.md).
+
+It lives with the collectives, not with the benchmarks that time them: the factor is
+what a rank of the (ring) algorithm must send, a property of the collective, and
+:mod:`distlab.comm`, below every benchmark, counts a log's bytes on the wire with it.
+The rest of the library uses it through :func:`distlab.comm.bus_factor`.
 """
 from __future__ import annotations
 
@@ -29,3 +33,9 @@ def bus_factor(op: str, world_size: int) -> float:
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     return _BUS_FACTORS[family](world_size)
+
+
+def bus_bandwidth(op: str, nbytes: float, seconds: float, world_size: int) -> float:
+    """busbw in bytes/s of ``op`` moving ``nbytes`` in ``seconds`` on ``world_size`` ranks:
+    algbw = nbytes / seconds, times :func:`bus_factor`."""
+    return nbytes / seconds * bus_factor(op, world_size)

@@ -1,7 +1,6 @@
-"""The library's ring attention: the answer to lab 10's exercise ``ring_attention``.
-
-Private on purpose (the lab never sends a student here; the grader refuses it while
-grading that exercise). Everyone else imports it from :mod:`distlab.cp`.
+"""Ring attention: the library's answer to lab 10's exercise ``ring_attention`` (this
+module holds only that answer; the grader refuses it while grading the exercise).
+Everyone else imports it from :mod:`distlab.cp`.
 
 Ring attention (Liu, Zaharia & Abbeel 2023, "Ring Attention with Blockwise Transformers
 for Near-Infinite Context"): each rank keeps its queries, and the K/V blocks travel the

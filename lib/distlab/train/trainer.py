@@ -1,10 +1,7 @@
-"""The final distributed train step: ZeRO-2 with overlap and mixed precision, on a
-data × pipeline × tensor-parallel rank grid (:class:`distlab.mesh.Mesh`).
-
-    mesh = Mesh(dp=2, pp=2, tp=2)                      # inside a launched function
-    trainer = build(config("tiny", 64), mesh, precision="bf16", lr=1e-3)
-    x, y = trainer.local_batch(lang, step, batch_size=16)
-    loss = trainer.step((x, y), global_batch_size=16)  # the global batch's mean loss
+"""Lab 09's answer ``distributed_train_step``, grown into a trainer: ZeRO-2 with overlap
+and mixed precision on a data × pipeline × tensor-parallel rank grid
+(:class:`distlab.mesh.Mesh`). Used through :mod:`distlab.train`, whose documentation
+says what it does; this module says how.
 
 Composition (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
 GPU Clusters Using Megatron-LM", the 3D layout; Rajbhandari et al. 2020, "ZeRO"):
@@ -45,13 +42,9 @@ by its backward (1F1B runs several forwards first), and takes its units from
 ``nn.ModuleDict``). The hook path here counts each parameter's accumulations up to
 the number of micro-batches instead.
 
-``python -m distlab.train --dp 2 --tp 2 --pp 2 --steps 20 --model tiny`` trains on
-:class:`distlab.data.NGramLanguage` through :func:`distlab.launch.run` (gloo on CPUs),
-or in-process under ``torchrun --nproc-per-node 8 -m distlab.train ...``.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import time
@@ -63,15 +56,11 @@ import torch.nn.functional as F
 
 from distlab import pp as pipeline
 from distlab.dp import plan_buckets, shard_loss_weight
+from distlab.mesh import Mesh
 from distlab.model import GPT, GPTConfig
+from distlab.train.precision import PRECISIONS
 from distlab.zero import DynamicLossScaler, FlatParams, adamw_
 from distlab.zero.flat import reduce_scatter_mean
-
-__all__ = ["PRECISIONS", "Trainer", "build", "main", "train"]
-
-# precision -> (parameter/compute dtype, autocast dtype or None)
-PRECISIONS = {"fp64": (torch.float64, None), "fp32": (torch.float32, None),
-              "bf16": (torch.bfloat16, torch.bfloat16), "fp16": (torch.float16, torch.float16)}
 
 
 def build(cfg: GPTConfig, mesh, *, precision: str = "fp32", microbatches: int | None = None,
@@ -79,22 +68,21 @@ def build(cfg: GPTConfig, mesh, *, precision: str = "fp32", microbatches: int | 
           weight_decay: float = 1e-2, seed: int = 0, loss_scaler: DynamicLossScaler | None = None,
           device=None) -> Trainer:
     """This rank's part of ``GPT(cfg)`` on ``mesh``, ready to train: TP over
-    ``mesh.tp_group``, stage ``mesh.coords[1]`` of ``mesh.grid.pp``, ZeRO-2 over
+    ``mesh.tp_group``, stage ``mesh.coords[1]`` of ``mesh.pp``, ZeRO-2 over
     ``mesh.dp_group`` (see the module). Every rank builds the same GPT from ``seed``
     first, as the single-process run does. ``microbatches``: per step, through the
     pipeline (default: ``pp``). ``loss_scaler``: for fp16 (a default one is made)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    grid = mesh.grid
-    if cfg.n_head % grid.tp:
+    if cfg.n_head % mesh.tp:
         fits = [k for k in range(1, cfg.n_head + 1) if cfg.n_head % k == 0]
-        raise ValueError(f"tp = {grid.tp} does not divide the model's {cfg.n_head} attention "
+        raise ValueError(f"tp = {mesh.tp} does not divide the model's {cfg.n_head} attention "
                          f"heads (tensor parallelism gives each rank whole heads): use tp in "
-                         f"{fits}, or a model whose n_head is a multiple of {grid.tp}")
-    if grid.pp > cfg.n_layer:
-        raise ValueError(f"pp = {grid.pp} pipeline stages for a model of {cfg.n_layer} blocks: "
+                         f"{fits}, or a model whose n_head is a multiple of {mesh.tp}")
+    if mesh.pp > cfg.n_layer:
+        raise ValueError(f"pp = {mesh.pp} pipeline stages for a model of {cfg.n_layer} blocks: "
                          f"use pp <= {cfg.n_layer}, or a model with more layers (n_layer)")
-    microbatches = grid.pp if microbatches is None else microbatches
+    microbatches = mesh.pp if microbatches is None else microbatches
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     from distlab import backend
@@ -105,10 +93,10 @@ def build(cfg: GPTConfig, mesh, *, precision: str = "fp32", microbatches: int | 
     model = GPT(cfg).to(device)
     if PRECISIONS[precision][1] is None:    # full precision: fp64 masters for an fp64 model
         model.to(dtype)                     # (mixed: fp32 init, the masters start from it)
-    if grid.tp > 1:
+    if mesh.tp > 1:
         from distlab.tp import tensor_parallel
         tensor_parallel(model, mesh.tp_group)
-    stage = pipeline.Stage(model, mesh.coords[1], grid.pp)
+    stage = pipeline.Stage(model, mesh.coords[1], mesh.pp)
     return Trainer(stage, mesh, precision=precision, microbatches=microbatches,
                    bucket_cap_mb=bucket_cap_mb, adamw=dict(lr=lr, betas=betas, eps=eps,
                                                            weight_decay=weight_decay),
@@ -187,7 +175,7 @@ class Trainer:
         if not stage.is_last:     # autocast may hand back fp32 (LayerNorm): one agreed dtype
             stage.register_forward_hook(lambda _m, _a, out: out.to(compute_dtype))
         self.runner = pipeline.PipelineRunner(
-            stage, pipeline.one_f_one_b_schedule(mesh.grid.pp, microbatches),
+            stage, pipeline.one_f_one_b_schedule(mesh.pp, microbatches),
             group=mesh.pp_group, loss_fn=self._loss, dtype=compute_dtype)
         self._weight, self._scale, self._rows = 1.0, 1.0, 1
         self._loss_sum = torch.zeros((), dtype=torch.float64)
@@ -218,7 +206,7 @@ class Trainer:
         """This DP rank's ``(inputs, targets)`` of step ``step`` (rows ``tensor_split``
         of the global batch), on this rank's device."""
         seq_len = self.model.cfg.seq_len if seq_len is None else seq_len
-        x, y = lang.batch(step, batch_size, seq_len, self.mesh.coords[0], self.mesh.grid.dp)
+        x, y = lang.batch(step, batch_size, seq_len, self.mesh.coords[0], self.mesh.dp)
         return x.to(self.device), y.to(self.device)
 
     def step(self, batch, global_batch_size: int | None = None) -> float:
@@ -227,7 +215,7 @@ class Trainer:
         default: this rank's rows times dp, an even split), the same on every rank.
         After an fp16 overflow the update is skipped (``self.skipped`` counts them)."""
         x, y = batch
-        dp = self.mesh.grid.dp
+        dp = self.mesh.dp
         rows = x.shape[0]
         total = rows * dp if global_batch_size is None else global_batch_size
         self._weight = shard_loss_weight(rows, total, dp)
@@ -266,7 +254,7 @@ class Trainer:
         all-reduce over the world, so every rank returns it."""
         out = torch.zeros(1, dtype=torch.float64, device=self.device)
         if self.stage.is_last and self.mesh.coords[2] == 0:
-            out += self._loss_sum.to(self.device) / self.mesh.grid.dp
+            out += self._loss_sum.to(self.device) / self.mesh.dp
         dist.all_reduce(out)
         return out.item()
 
@@ -302,12 +290,12 @@ class Trainer:
                 views.append((q, q.data))
                 q.data = whole[name]
         try:
-            local = tp_full(self.model) if self.mesh.grid.tp > 1 else {
+            local = tp_full(self.model) if self.mesh.tp > 1 else {
                 k: v.detach().clone() for k, v in self.model.state_dict().items()}
         finally:
             for q, data in views:
                 q.data = data
-        stages = [None] * self.mesh.grid.pp
+        stages = [None] * self.mesh.pp
         dist.all_gather_object(stages, {k: v.cpu() for k, v in local.items()},
                                group=self.mesh.pp_group)
         return {k: v for part in stages for k, v in part.items()}
@@ -350,7 +338,6 @@ def train(model: str = "test", dp: int = 1, tp: int = 1, pp: int = 1, steps: int
     from distlab import launch
     from distlab.backend import peak_flops
     from distlab.data import NGramLanguage
-    from distlab.reference.mesh import Mesh
     from distlab.model import config
 
     cfg = config(model, vocab_size)
@@ -366,7 +353,7 @@ def train(model: str = "test", dp: int = 1, tp: int = 1, pp: int = 1, steps: int
     peak = peak_flops(name, precision)
     world = dist.get_world_size()
     if log and dist.get_rank() == 0:
-        print(f"{mesh.grid}\n{model}: {sum(q.numel() for q in GPT(cfg).parameters()):,} "
+        print(f"{mesh}\n{model}: {sum(q.numel() for q in GPT(cfg).parameters()):,} "
               f"parameters, {precision}, {trainer.microbatches} micro-batches, "
               f"{len(trainer.buckets)} ZeRO-2 buckets on this rank; loss floor "
               f"{lang.loss_floor(seq_len):.3f}", flush=True)
@@ -388,40 +375,3 @@ def train(model: str = "test", dp: int = 1, tp: int = 1, pp: int = 1, steps: int
             print(f"step {step:4d}  loss {loss:.4f}  {tokens:,.0f} tokens/s  MFU "
                   f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'}", flush=True)
     return history
-
-
-def main(argv=None) -> int:
-    from distlab import backend, launch
-    from distlab.model import PRESETS
-
-    ap = argparse.ArgumentParser(prog="python -m distlab.train",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--model", default="test", choices=sorted(PRESETS))
-    ap.add_argument("--vocab-size", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=8, help="the global batch, in sequences")
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the model's")
-    ap.add_argument("--precision", default="fp32", choices=sorted(PRECISIONS))
-    ap.add_argument("--microbatches", type=int, default=None, help="default: pp")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bucket-mb", type=float, default=25, help="ZeRO-2 bucket size, MiB")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", default="auto", choices=backend.BACKENDS)
-    ap.add_argument("--timeout", type=float, default=600)
-    args = ap.parse_args(argv)
-    world = args.dp * args.tp * args.pp
-    results = launch.run(train, world, args.model, args.dp, args.tp, args.pp, args.steps,
-                         args.batch_size, args.seq_len, args.vocab_size, args.precision,
-                         args.microbatches, args.lr, args.bucket_mb, args.seed,
-                         backend=args.backend, timeout=args.timeout, stream=True)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        last = results[0][-1] if results[0] else None
-        if last is not None:
-            print(f"done: {args.steps} steps on {world} rank(s), final loss {last['loss']:.4f}")
-    if dist.is_initialized():  # under torchrun: leave the group together, before teardown
-        dist.barrier()         # (a rank that exits first breaks the others' gloo pairs)
-        dist.destroy_process_group()
-    return 0

@@ -1,120 +1,34 @@
-"""Lab 04's answers (``allreduce_gradients``, the one-shot wrapper) and lab 08's
-(``BucketedDDP``: :class:`DataParallel` and its buckets), used through :mod:`distlab.dp`.
-This module holds only answers: while lab 04 or 08 is graded it is absent from the
-graded ranks (:mod:`distlab.grading.answers`).
+"""Lab 08's answer, ``BucketedDDP``: :class:`DataParallel`, whose gradient all-reduces
+run during backward, and its buckets. It answers lab 04's ``allreduce_gradients`` too (it
+averages every gradient). This module holds only answers: while lab 04 or 08 is graded
+it is absent from the graded ranks (:mod:`distlab.grading.answers`), and an edition of
+the kit holds it from lab 08 on.
 
-Data parallelism: every rank holds the whole model, computes gradients on its own
-slice of the global batch, and the ranks average their gradients before each step.
-
-Two wrappers, both shaped like ``torch.nn.parallel.DistributedDataParallel`` (``.module``,
-rank 0's parameters and buffers broadcast at construction, ``no_sync()``) so that one can
-replace the other in a training loop:
+Shaped like ``torch.nn.parallel.DistributedDataParallel`` (``.module``, rank 0's
+parameters and buffers broadcast at construction, ``no_sync()``), as lab 04's
+:class:`~distlab.dp.OneShotDataParallel`, so that one can replace the other::
 
     model = DataParallel(GPT(cfg).to(backend.device()))   # rank 0's weights everywhere
     loss_fn(model(x), y).backward()                        # buckets all-reduce meanwhile
     model.finish_gradient_synchronization()                # wait for the last of them
     optimizer.step()
 
-- :class:`DataParallel` (lab 08) keeps the gradients in flat **buckets** of
-  ``bucket_cap_mb`` and launches each bucket's all-reduce from a backward hook as soon as
-  its last gradient is accumulated, so communication runs while backward computes the
-  gradients of earlier layers (Li et al. 2020, "PyTorch Distributed", VLDB: the design of
-  torch's DDP). ``bucket_cap_mb=None`` is one all-reduce per parameter.
-- :class:`OneShotDataParallel` (lab 04) waits for the end of backward, then reduces every
-  gradient in one blocking all-reduce: kept for comparison.
-
-Averaged gradients give the single-process update on the global batch when each rank's
-loss is its share of the global mean (see :func:`shard_loss_weight`): the rule every
-strategy of this course is tested against.
+The gradients live in flat **buckets** of ``bucket_cap_mb``, and each bucket's all-reduce
+is launched from a backward hook as soon as its last gradient is accumulated, so
+communication runs while backward computes the gradients of earlier layers (Li et al.
+2020, "PyTorch Distributed", VLDB: the design of torch's DDP). ``bucket_cap_mb=None`` is
+one all-reduce per parameter.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.backend import check_module_devices
-from distlab.comm import in_group
-from distlab.dp.replicas import broadcast_state, plan_buckets
-
-
-def allreduce_gradients(module: nn.Module, group=None) -> None:
-    """Every ``.grad`` of ``module`` becomes its mean over the ranks of ``group``;
-    parameters without a gradient (frozen, or unused by the loss) are left alone.
-    Tied parameters appear once in ``module.parameters()`` and are reduced once. A rank
-    that is not a member of ``group`` returns at once, as torch's collectives do.
-
-    The gradients are copied into one flat buffer per dtype and device and reduced with
-    a single all-reduce: small tensors one by one would pay the latency of a collective
-    each (PyTorch's DDP groups them in buckets for the same reason). SUM, then divide:
-    ``ReduceOp.AVG`` is not offered by every backend and version (older gloo lacks it)."""
-    if not in_group(group):
-        return
-    world = dist.get_world_size(group)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in module.parameters():
-        if p.grad is not None:
-            if p.grad.is_sparse:
-                raise ValueError("allreduce_gradients handles dense gradients only; build "
-                                 "embeddings with sparse=False")
-            groups.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-    for grads in groups.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        flat.div_(world)
-        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
-
-
-class _Replicated(nn.Module):
-    """What both wrappers share: checks, the broadcast, ``forward``, ``no_sync``."""
-
-    def __init__(self, module: nn.Module, group=None):
-        super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"{type(self).__name__} wraps an nn.Module, got "
-                            f"{type(module).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError(f"{type(self).__name__} needs a process group: call it inside "
-                               f"a function run by distlab.launch.run (or under torchrun)")
-        self.module = module
-        self.group = group
-        self.require_sync = True
-        self.member = in_group(group)
-        if self.member:
-            check_module_devices(module)
-            broadcast_state(module, group)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Skip gradient synchronisation inside the block (gradient accumulation): the
-        gradients add up locally, and the first synchronised backward after the block
-        averages the accumulated sum once."""
-        previous, self.require_sync = self.require_sync, False
-        try:
-            yield
-        finally:
-            self.require_sync = previous
-
-
-class OneShotDataParallel(_Replicated):
-    """``OneShotDataParallel(module, group=None)``, lab 04's version: after
-    ``loss.backward()``, :meth:`finish_gradient_synchronization` averages every gradient
-    with one blocking all-reduce (:func:`allreduce_gradients`). Nothing overlaps: the
-    link idles during backward and the GPU idles during the all-reduce. A rank that is
-    not a member of ``group`` does nothing."""
-
-    def finish_gradient_synchronization(self) -> None:
-        """Average every gradient over the group (unless inside :meth:`no_sync`)."""
-        if self.require_sync and self.member:
-            allreduce_gradients(self.module, self.group)
+from distlab.dp import channels
+from distlab.dp.replicas import _Replicated, plan_buckets
 
 
 class _Bucket:
@@ -205,10 +119,8 @@ class DataParallel(_Replicated):
         self._hooks = []
         if not self.member:
             return
-        from distlab.dp import channels as overlap
-
         self.buckets = [_Bucket([params[i] for i in idx]) for idx in plan]
-        self.channel = overlap.channel(channel, group, params[0].device if params else None)
+        self.channel = channels.channel(channel, group, params[0].device if params else None)
         me = weakref.ref(self)
         for i, b in enumerate(self.buckets):  # hooks hold indices: dropping the wrapper
             for j, p in enumerate(b.params):   # frees its buckets, even if the model lives
