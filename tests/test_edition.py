@@ -8,6 +8,7 @@ every module that one holds."""
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -64,8 +65,17 @@ def _answer_code(exercises) -> dict[str, str]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _definitions_of(source: str) -> frozenset[str]:
+    try:
+        return frozenset(_definitions(ast.parse(source)))
+    except SyntaxError:  # a cell of IPython magics: no Python definitions to find
+        return frozenset()
+
+
 def _code_in(folder: Path) -> set[str]:
-    """The normalised definitions of every Python file and notebook code cell in ``folder``."""
+    """The normalised definitions of every Python file and notebook code cell in ``folder``
+    (each text parsed once per process: the editions share most files)."""
     found: set[str] = set()
     for path in folder.rglob("*"):
         if path.suffix == ".py":
@@ -76,10 +86,7 @@ def _code_in(folder: Path) -> set[str]:
         else:
             continue
         for source in sources:
-            try:
-                found |= _definitions(ast.parse(source))
-            except SyntaxError:  # a cell of IPython magics: no Python definitions to find
-                continue
+            found |= _definitions_of(source)
     return found
 
 
