@@ -16,6 +16,7 @@ import pytest
 from distlab.grading import edition as editions
 
 ROOT = Path(__file__).resolve().parents[1]
+THROUGH = (-1, 0, 4, 9)  # the editions the tests check: through none, 00, 04 and 09
 # Labs whose cells after an exercise still run the library's own answer to it, so they do
 # not run in the edition before them yet; nbval runs them in the full kit. Lab 05's
 # proofs train with the library's ZeRO (built on FlatParams and the padded collectives,
