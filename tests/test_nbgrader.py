@@ -139,7 +139,8 @@ def all_reduce_mean(tensor, group=None):
 def test_the_contained_path_writes_scores_a_cell_override_cannot_change(lab00):
     """`python -m distlab.grading.course COURSE --grade 00_setup` grades with the kit's
     contained grader and writes the gradebook: the notebook that overrides the autograder
-    cell (and answers nothing) scores 0 there; the solution's answer scores full marks."""
+    cell (and answers nothing) scores 0 there; the solution's answer scores full marks;
+    a submission that cannot be read scores 0, waiting for a person, and the batch goes on."""
     released, points = lab00
     lab = "00_setup"
     given = nbformat.read(released / "release" / lab / f"{lab}.ipynb", as_version=4)
@@ -152,13 +153,21 @@ def test_the_contained_path_writes_scores_a_cell_override_cannot_change(lab00):
         path = released / "submitted" / student / lab / f"{lab}.ipynb"
         path.parent.mkdir(parents=True)
         nbformat.write(submission, path)
-    scores = course.grade_submissions(released, lab, students=["mallory", "bob"])
+    # a submission that is not a notebook, graded first: the batch goes on past it
+    broken = released / "submitted" / "alan" / lab / f"{lab}.ipynb"
+    broken.parent.mkdir(parents=True)
+    broken.write_text("not JSON")
+    scores, errors = course.grade_submissions(released, lab, students=["alan", "mallory", "bob"])
     full = points["all_reduce_mean"]
-    assert scores == {"mallory": {f"{lab}/all_reduce_mean_tests": 0.0},
+    assert scores == {"alan": {f"{lab}/all_reduce_mean_tests": 0.0},
+                      "mallory": {f"{lab}/all_reduce_mean_tests": 0.0},
                       "bob": {f"{lab}/all_reduce_mean_tests": full}}, scores
+    assert len(errors) == 1 and errors[0].startswith(f"alan/{lab}.ipynb could not be graded")
 
     from nbgrader.api import Gradebook
 
     with Gradebook(f"sqlite:///{released / 'gradebook.db'}") as gb:
-        got = {s: gb.find_submission(lab, s).score for s in ("mallory", "bob")}
-    assert got == {"mallory": 0.0, "bob": full}, got
+        got = {s: gb.find_submission(lab, s).score for s in ("alan", "mallory", "bob")}
+        waiting = gb.find_grade("all_reduce_mean_tests", lab, lab, "alan").needs_manual_grade
+    assert got == {"alan": 0.0, "mallory": 0.0, "bob": full}, got
+    assert waiting, "a submission that could not be graded waits for a person's grade"

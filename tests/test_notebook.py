@@ -280,3 +280,13 @@ def test_exercise_metadata_of_the_wrong_type_names_no_exercise():
                         b'"metadata": {"nbgrader": {"solution": true, "grade_id": [1]}}}, '
                         b'{"cell_type": "code", "source": "y", "metadata": {"nbgrader": 7}}]}')
     assert notebook.exercises(nb) == {}
+
+
+def test_imports_keeps_each_import_once_in_the_order_first_seen():
+    nb = new_notebook(cells=[
+        new_code_cell("import torch\nfrom math import pi\n%time x = 1"),
+        new_markdown_cell("import os"),
+        new_code_cell("import os\nimport torch\nfrom math import pi as p\n"
+                      "def f():\n    import sys")])
+    assert notebook.imports(nb) == ["import torch", "from math import pi", "import os",
+                                    "from math import pi as p"]

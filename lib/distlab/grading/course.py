@@ -118,14 +118,17 @@ def autograde(notebook_file: str, name: str, points: int) -> float:
 
 def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
                       students: list[str] | None = None,
-                      hidden_tests: Path | None = None) -> dict[str, dict[str, float]]:
+                      hidden_tests: Path | None = None
+                      ) -> tuple[dict[str, dict[str, float]], list[str]]:
     """Grade every submission of ``assignment`` in nbgrader's course ``course``
     (``submitted/STUDENT/ASSIGNMENT/*.ipynb``) with the kit's contained grader
     (:func:`distlab.grading.runner.grade`, which never runs the student's code in this
     process), and write each exercise's score into the gradebook (``db_url``, default
     the course's ``gradebook.db``): the grade of its autograder cell ``NAME_tests`` gets
     the score as its manual score, scaled to the cell's points. Returns student →
-    "notebook/cell" → score. The assignment must be in the gradebook
+    "notebook/cell" → score, and what could not be graded: a submission that cannot be
+    read or graded scores 0 in each of its cells, marked as needing a person's grade, and
+    the batch goes on. The assignment must be in the gradebook
     (``nbgrader generate_assignment``). ``hidden_tests``: a folder of the instructor's
     own tests for the assignment's lab, counted with the kit's (a ValueError naming the
     fix for a file that is not one)."""
@@ -133,6 +136,7 @@ def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
 
     db_url = db_url or f"sqlite:///{Path(course).resolve() / 'gradebook.db'}"
     scores: dict[str, dict[str, float]] = {}
+    errors: list[str] = []
     with (instructors_tests(hidden_tests, {assignment}) if hidden_tests else
           contextlib.nullcontext()) as hidden, Gradebook(db_url) as gb:
         gb.find_assignment(assignment)  # MissingEntry: generate the assignment first
@@ -150,18 +154,26 @@ def grade_submissions(course: Path, assignment: str, db_url: str | None = None,
             except MissingEntry:
                 gb.add_submission(assignment, student)
             for path in paths:
-                for result in runner.grade(path, hidden=hidden):
+                try:
+                    results = [(r.exercise, r.points, r.max_points)
+                               for r in runner.grade(path, hidden=hidden)]
+                    problem = None
+                except Exception as exc:  # noqa: BLE001 — one submission never stops the batch
+                    problem = (f"{student}/{path.name} could not be graded "
+                               f"({type(exc).__name__}: {str(exc)[:300]})")
+                    results = [(name, 0, 0) for name in labs.exercises().get(labs.lab_of(path), ())]
+                    errors.append(problem)
+                for exercise, points, max_points in results:
                     try:
-                        grade = gb.find_grade(f"{result.exercise}_tests", path.stem, assignment,
-                                              student)
+                        grade = gb.find_grade(f"{exercise}_tests", path.stem, assignment, student)
                     except MissingEntry:
                         continue  # not an exercise of this notebook in the gradebook
-                    score = (round(grade.max_score * result.points / result.max_points, 3)
-                             if result.max_points else 0.0)
-                    grade.manual_score, grade.needs_manual_grade = score, False
+                    score = round(grade.max_score * points / max_points, 3) if max_points else 0.0
+                    # a submission that could not be graded scores 0 and waits for a person
+                    grade.manual_score, grade.needs_manual_grade = score, problem is not None
                     scores.setdefault(student, {})[f"{path.stem}/{grade.name}"] = score
             gb.db.commit()
-    return scores
+    return scores, errors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,12 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--hidden-tests goes with --grade ASSIGNMENT")
     if args.grade:
         try:
-            graded = grade_submissions(args.course, args.grade, hidden_tests=args.hidden_tests)
+            graded, errors = grade_submissions(args.course, args.grade,
+                                               hidden_tests=args.hidden_tests)
         except ValueError as exc:
             parser.error(str(exc))
         for student, got in graded.items():
             print(f"{student}: " + ", ".join(f"{k} {v:g}" for k, v in got.items()))
-        return 0
+        for problem in errors:
+            print(f"error: {output.shown(problem)}", file=sys.stderr)
+        return 1 if errors else 0
     try:
         written = write_course(args.course, args.lab)
     except FileNotFoundError as exc:

@@ -195,7 +195,7 @@ def release(nb):
 def imports(nb) -> list[str]:
     """The top-level import statements of every code cell (the prelude of an exercise
     module, so that exercise cells may use what the notebook imported)."""
-    found: list[str] = []
+    found: dict[str, None] = {}  # in order, each once: linear in the notebook's size
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
@@ -205,10 +205,8 @@ def imports(nb) -> list[str]:
             continue
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                line = ast.unparse(node)
-                if line not in found:
-                    found.append(line)
-    return found
+                found.setdefault(ast.unparse(node))
+    return list(found)
 
 
 def _strip_magics(source: str) -> str:
