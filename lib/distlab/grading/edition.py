@@ -28,13 +28,14 @@ import shutil
 from pathlib import Path
 
 from distlab.grading import answers, labs
+from distlab.runtime.absent import EDITION
 
 KIT = Path(__file__).resolve().parents[3]  # a checkout of the full kit
 # what an edition holds of the kit: these, less caches and build leftovers
 CONTENTS = ("README.md", "Makefile", "pyproject.toml", "environment.yml", "labs", "lib", "docs",
             "tools")
 _JUNK = ("__pycache__", "*.pyc", "*.egg-info", ".ipynb_checkpoints", "build")
-MANIFEST = "edition.json"  # beside the package's __init__.py, in an edition only
+MANIFEST = EDITION.name  # beside the package's __init__.py, in an edition only (read there)
 
 
 def lab_number(lab: str) -> int:
@@ -49,8 +50,8 @@ def parse_through(text: str, lab_names) -> int:
     match = re.fullmatch(r"(\d{1,2})(_\w+)?", text)
     numbers = sorted(lab_number(lab) for lab in lab_names)
     if not match or int(match.group(1)) not in numbers:
-        raise ValueError(f"--through takes 'none' or a lab's number ({', '.join(f'{n:02d}' for n in numbers)}), "
-                         f"got {text!r}")
+        known = ", ".join(f"{n:02d}" for n in numbers)
+        raise ValueError(f"--through takes 'none' or a lab's number ({known}), got {text!r}")
     return int(match.group(1))
 
 
