@@ -11,7 +11,11 @@
 * a rank that allocates past its memory cap is reported "out of memory";
 * a forged CommLog no longer earns traffic points where the bytes are counted on the
   run's own loopback (root, namespaces), and such points are marked self-reported where
-  they are not.
+  they are not;
+* a graded rank holds of the grader's environment only an allow-list (an instructor's
+  token is nowhere in its memory), writes no file past its cap and new files only on its
+  own tmpfs, and opens no socket of a family but AF_UNIX, AF_INET, AF_INET6 (and
+  NETLINK_ROUTE); personality and modify_ldt are refused.
 
 Every grading run happens in a PID namespace of its own (as root), with a guard in each
 Python process that refuses, and records, any signal to PID <= 1.
@@ -52,16 +56,18 @@ print(json.dumps([dataclasses.asdict(r) for r in results]))
 
 def _grade(tmp_path, path: Path, tests: Path = runner.TESTS, timeout: float = 300,
            limit: float = 400, memory: int | None = None, only: list | None = None,
-           total: float = runner.NOTEBOOK_TIMEOUT) -> tuple[dict, float]:
-    """runner.grade in a PID namespace (as root) under the signal guard: exercise → its
-    result as a dict, and the seconds it took."""
+           total: float = runner.NOTEBOOK_TIMEOUT,
+           extra_env: dict | None = None) -> tuple[dict, float]:
+    """runner.grade in a PID namespace (as root) under the signal guard, with
+    ``extra_env`` added to the grader's environment: exercise → its result as a dict,
+    and the seconds it took."""
     guard = tmp_path / "guard"
     guard.mkdir(exist_ok=True)
     (guard / "sitecustomize.py").write_text(_GUARD)
     (tmp_path / "driver.py").write_text(_DRIVER)
     log = tmp_path / "signals.log"
     env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
-        [str(guard)] + [p for p in sys.path if p]))
+        [str(guard)] + [p for p in sys.path if p]), **(extra_env or {}))
     cmd = [sys.executable, str(tmp_path / "driver.py"),
            json.dumps({"path": str(path), "tests": str(tests), "timeout": timeout,
                        "memory": memory, "only": only, "total": total})]
@@ -395,7 +401,7 @@ def probe(paths, folder):
                             ctypes.c_long(0), ctypes.c_long(0), ctypes.c_long(0))
         found["calls"][name] = 0 if code >= 0 else ctypes.get_errno()
     found["linecache"] = [f for f in linecache.cache if "ring_cases" in f or "test_" in f]
-    found["preloaded"] = "json.tool" in sys.modules  # the test's RANK_IMPORTS, by the server
+    found["preloaded"] = "distlab.viz.fp8" in sys.modules  # the test's RANK_IMPORTS, by the server
     children = []
     for _ in range(400):  # processes: forked until refused
         try:
@@ -553,7 +559,7 @@ def test_a_graded_rank_is_confined_and_a_forged_commlog_earns_no_traffic_point(t
                               Path(distlab.zero.flat.__file__))]
     constants = (f"PATHS = {paths!r}\nKIT = {str(ROOT)!r}\nFOLDER = {str(ROOT.parent)!r}\n"
                  f"PROCESSES = {sandbox.PROCESSES}\nTMPFS_MB = {sandbox.TMPFS_MB}\n"
-                 f"RANK_IMPORTS = ('json.tool',)\n")
+                 f"RANK_IMPORTS = ('distlab.viz.fp8',)\n")
     ring = _RING_TESTS.format(name="ring_allreduce")
     first = ring.index("\n\ndef test_sum")  # the probe's test first
     tests = _tests(tmp_path, {"ring_reduce_scatter": _RING_TESTS.format(name="ring_reduce_scatter"),
@@ -989,3 +995,259 @@ def test_calling_the_reference_schedule_scores_zero_and_points_at_no_hint(tmp_pa
     r = results["gpipe_schedule"]
     assert (r["points"], r["verdict"], r["hint"]) == (0, "refused", ""), r
     assert r["max_points"] >= 12 and r["message"].endswith("write your own"), r
+
+
+# ------------- 10. what a rank reaches: the grader's environment, the disk, the kernel
+
+_CANARY = "canary-of-the-graders-environment-5c1e"  # never in the graded run: only reversed
+
+# The student's module: lab 00's answer, and a probe that runs in a graded rank.
+_ESCAPES = r'''
+def all_reduce_mean(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    return tensor.div_(dist.get_world_size(group))
+
+
+def escapes(backwards, cap_mb):
+    import ctypes, errno, os, platform, resource, socket, tempfile
+    libc = ctypes.CDLL(None, use_errno=True)
+    found = {"environ": dict(os.environ)}
+
+    # the grader's environment: the canary's value, put together here in a buffer of our
+    # own (never as a string), is looked for in every writable mapping of this process
+    n = len(backwards)
+    needle = ctypes.create_string_buffer(n)
+    for i, c in enumerate(backwards.encode()):
+        ctypes.memset(ctypes.addressof(needle) + n - 1 - i, c, 1)
+    libc.memmem.restype = ctypes.c_void_p
+    libc.memmem.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t]
+    found["canary_in"], found["scanned_mib"] = [], 0
+    with open("/proc/self/maps") as f:
+        regions = [line.split() for line in f]
+    for r in regions:
+        name = r[5] if len(r) > 5 else "anonymous"
+        if not r[1].startswith("rw") or name.startswith(("[v", "/dev/")):
+            continue
+        lo, hi = (int(x, 16) for x in r[0].split("-"))
+        found["scanned_mib"] += (hi - lo) >> 20
+        at = lo
+        while at < hi:
+            hit = libc.memmem(at, hi - at, ctypes.addressof(needle), n)
+            if not hit:
+                break
+            if hit != ctypes.addressof(needle):
+                found["canary_in"].append(name)
+            at = hit + 1
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self is then this user's to read
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            found["proc_environ"] = f.read().replace(b"\0", b"").decode(errors="replace")
+    except OSError as exc:
+        found["proc_environ"] = f"unreadable: {exc}"
+
+    # the disk: a new file in every folder a rank knows of, and every mount point,
+    # written until refused; each file of the pool's folder grown past the cap
+    found["fsize"] = list(resource.getrlimit(resource.RLIMIT_FSIZE))
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    folder = os.environ.get("DISTLAB_DIR", "")
+    places = sorted({*points, folder, os.getcwd(), os.path.expanduser("~"),
+                     tempfile.gettempdir(), "/", "/tmp", "/var/tmp", "/dev/shm"} - {""})
+    found["written"], chunk = {}, b"x" * 2**20
+    for place in places:
+        path = os.path.join(place, f"escape-{os.getpid()}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            continue
+        size, written = 0, 0
+        try:
+            st = os.statvfs(place)
+            size = st.f_blocks * st.f_frsize
+            for _ in range(cap_mb + 2):
+                written += os.write(fd, chunk)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        found["written"][place] = [written, size]
+    found["grown"] = {}
+    for name in sorted(os.listdir(folder)) if folder else ():
+        try:
+            fd = os.open(os.path.join(folder, name), os.O_WRONLY)
+        except OSError:
+            continue
+        try:
+            os.pwrite(fd, b"x", cap_mb << 20)  # one byte past the cap
+            found["grown"][name] = "grown"
+        except OSError as exc:
+            found["grown"][name] = errno.errorcode.get(exc.errno, str(exc.errno))
+        finally:
+            os.close(fd)
+
+    # the kernel: every socket family, netlink's protocols, personality, modify_ldt
+    def outcome(call, *args):
+        try:
+            made = call(*args)
+            for s in made if isinstance(made, tuple) else (made,):
+                s.close()
+            return "ok"
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno, str(exc.errno))
+
+    found["socket"] = {f"{family} {kind}": outcome(socket.socket, family, kind, 0)
+                       for family in range(64) for kind in (1, 2, 3, 5)}
+    found["netlink"] = {str(proto): outcome(socket.socket, 16, 3, proto) for proto in range(32)}
+    found["socketpair"] = {str(family): outcome(socket.socketpair, family, 1, 0)
+                           for family in range(64)}
+    calls = {"x86_64": (135, 154), "aarch64": (92, None)}[platform.machine()]
+    found["personality"] = {}
+    for persona in (0xFFFFFFFF, 0, 0x0040000, 0x0400000):  # query, linux, no ASLR, exec
+        ctypes.set_errno(0)
+        got = libc.syscall(calls[0], ctypes.c_ulong(persona))
+        found["personality"][hex(persona)] = "ok" if got >= 0 else errno.errorcode[ctypes.get_errno()]
+    if calls[1]:
+        table = ctypes.create_string_buffer(64)
+        ctypes.set_errno(0)
+        got = libc.syscall(calls[1], 0, table, 64)  # read the LDT
+        found["modify_ldt"] = "ok" if got >= 0 else errno.errorcode[ctypes.get_errno()]
+    return found
+'''
+
+
+@pytest.fixture(scope="module")
+def escapes(tmp_path_factory):
+    """One grading run of lab 00 with a canary in the grader's environment, in which the
+    student's module probes, from a graded rank, its environment and memory, every
+    place it could write, and the socket families and system calls of the grader's
+    issue (rows 5, 8 and 9); what it found, and the run's results."""
+    if sandbox.confinement():
+        pytest.skip(f"graded ranks cannot be confined here: {sandbox.confinement()}")
+    tmp_path = tmp_path_factory.mktemp("escapes")
+    out = tmp_path / "found.json"
+    test = ("import json\n\nNOTEBOOK = '00_setup'\n\n\ndef test_escapes(student):\n"
+            f"    found = student.escapes({_CANARY[::-1]!r}, {sandbox.FSIZE_MB})\n"
+            f"    open({str(out)!r}, 'w').write(json.dumps(found))\n")
+    tests = _tests(tmp_path, {"all_reduce_mean": test}, conftest=True)
+    results, _ = _grade(tmp_path, _notebook(tmp_path, "00_setup", {"all_reduce_mean": _ESCAPES}),
+                        tests, extra_env={"INSTRUCTOR_TOKEN": _CANARY})
+    r = results["all_reduce_mean"]
+    assert r["verdict"] == "pass", r["message"]
+    return json.loads(out.read_text())
+
+
+# what the launcher sets in a graded rank's environment, beside confine.RANK_ENV's
+_LAUNCH_ENV = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DISTLAB_WORKER",
+               "DISTLAB_BACKEND", "DISTLAB_DIR", "DISTLAB_PLAIN", "DISTLAB_FD",
+               "DISTLAB_PARENT_PID", "DISTLAB_GRADE_MEMORY_MB", "HOME", "TMPDIR"}
+
+
+def test_no_variable_of_the_graders_environment_outside_the_allow_list_reaches_a_rank(escapes):
+    """Row 8. A graded rank's environment holds the launch's variables and, of the
+    grader's, only what confine.RANK_ENV allows: not the sandbox's spec, not the
+    grader's paths (HOME and TMPDIR are the rank's own /tmp); /proc/self/environ (the
+    environment its process was started with, inherited through the forks) is empty; and
+    a variable outside the allow-list (an instructor's token) is nowhere in the rank's
+    memory, since no process it is forked from ever held it."""
+    import fnmatch
+
+    from distlab.runtime import confine
+
+    env = escapes["environ"]
+    stray = sorted(k for k in env if k not in _LAUNCH_ENV and not any(
+        fnmatch.fnmatchcase(k, p) for p in confine.RANK_ENV))
+    assert stray == [], f"of the grader's environment, reached a rank: {stray}"
+    assert (env["HOME"], env["TMPDIR"]) == ("/tmp", "/tmp"), env
+    assert escapes["proc_environ"] == "", escapes["proc_environ"][:2000]
+    assert escapes["scanned_mib"] > 0 and escapes["canary_in"] == [], escapes["canary_in"]
+
+
+def test_a_rank_cannot_write_more_than_the_cap_anywhere_it_can_write(escapes):
+    """Row 5. RLIMIT_FSIZE caps every file a graded rank writes (sandbox.FSIZE_MB, soft and
+    hard); a new file can be made only on the rank's own tmpfs (none larger than
+    sandbox.TMPFS_MB), in every mount point and every folder the rank knows of (the
+    pool's folder, its HOME, TMPDIR and working folder) alike; and none of the pool's
+    files it may write (its status board, stack dumps, the rendezvous store, on the
+    host's disk) grows past the cap."""
+    cap = sandbox.FSIZE_MB << 20
+    assert escapes["fsize"] == [cap, cap], escapes["fsize"]
+    assert escapes["written"], "the rank could write nowhere, not even in its /tmp"
+    uncapped = {place: got for place, got in escapes["written"].items()
+                if got[0] > cap or got[1] > sandbox.TMPFS_MB << 20}
+    assert uncapped == {}, f"written (bytes, size of the storage): {uncapped}"
+    assert escapes["grown"] and set(escapes["grown"].values()) == {"EFBIG"}, escapes["grown"]
+
+
+def test_every_socket_family_outside_the_allowed_set_fails_and_personality_is_refused(escapes):
+    """Row 9. In a graded rank, a socket of any family but AF_UNIX, AF_INET and AF_INET6
+    fails with EAFNOSUPPORT (AF_VSOCK, AF_PACKET, AF_NETLINK's protocols, ...), but for
+    AF_NETLINK with NETLINK_ROUTE (getifaddrs: the run's gloo found its interface
+    through it); socketpair likewise; personality changes nothing (its query answers);
+    modify_ldt is refused (x86-64)."""
+    allowed = {1, 2, 10}
+    opened = {k: v for k, v in escapes["socket"].items()  # (protocol 0: AF_NETLINK's is
+              if int(k.split()[0]) not in allowed | {16} and v != "EAFNOSUPPORT"}  # below)
+    assert opened == {}, f"socket(family, type) outside AF_UNIX/INET/INET6: {opened}"
+    assert escapes["netlink"].pop("0") == "ok", "NETLINK_ROUTE (gloo's getifaddrs) refused"
+    assert set(escapes["netlink"].values()) == {"EAFNOSUPPORT"}, escapes["netlink"]
+    paired = {k: v for k, v in escapes["socketpair"].items()
+              if int(k) not in allowed and v != "EAFNOSUPPORT"}
+    assert paired == {} and escapes["socketpair"]["1"] == "ok", escapes["socketpair"]
+    assert escapes["personality"] == {"0xffffffff": "ok", "0x0": "EPERM", "0x40000": "EPERM",
+                                      "0x400000": "EPERM"}, escapes["personality"]
+    assert escapes.get("modify_ldt", "EPERM") == "EPERM", escapes["modify_ldt"]
+
+
+def _filtered(program: bytes, arch: str, nr: int, *args: int) -> int:
+    """The action ``program`` (a seccomp filter) returns for call ``nr`` with ``args`` on
+    ``arch``: a classic-BPF machine of the instructions confine.seccomp_program uses."""
+    import struct
+
+    from distlab.runtime import confine
+
+    ops = [struct.unpack_from("<HBBI", program, i) for i in range(0, len(program), 8)]
+    data = struct.pack("<iIQ6Q", nr, confine._AUDIT_ARCH[arch], 0,
+                       *(list(args) + [0] * 6)[:6])
+    a = pc = 0
+    while True:
+        code, jt, jf, k = ops[pc]
+        if code == 0x06:  # ret
+            return k
+        if code == 0x20:  # ld [k]
+            a, pc = struct.unpack_from("<I", data, k)[0], pc + 1
+            continue
+        hit = {0x15: a == k, 0x35: a >= k, 0x45: bool(a & k)}[code]
+        pc += 1 + (jt if hit else jf)
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_the_filter_screens_socket_families_and_personality_on_both_architectures(arch):
+    """Row 9, on both architectures the filter supports (aarch64 run through a BPF
+    machine here): socket and socketpair of a family outside AF_UNIX, AF_INET, AF_INET6
+    answer EAFNOSUPPORT, AF_NETLINK only with NETLINK_ROUTE (the low 32 bits compared,
+    as the kernel reads an int); personality answers only its query; modify_ldt
+    (x86-64) and every other DENIED call answer EPERM; an ordinary call is allowed."""
+    from distlab.runtime import confine
+
+    program, calls = confine.seccomp_program(arch), confine._CALLS[arch]
+    allow, eperm, eafnosupport = 0x7FFF0000, 0x50001, 0x50061
+    for family in range(64):
+        for high in (0, 1 << 32):
+            expected = allow if family in (1, 2, 10) else eafnosupport
+            assert _filtered(program, arch, calls["socketpair"], family | high, 1) == expected
+            if family == 16:
+                for proto in range(32):
+                    assert _filtered(program, arch, calls["socket"], family | high, 3,
+                                     proto | high) == (allow if proto == 0 else eafnosupport)
+            else:
+                assert _filtered(program, arch, calls["socket"], family | high, 1) == expected
+    for persona, expected in ((0xFFFFFFFF, allow), (0, eperm), (0x0040000, eperm),
+                              (0x0400000, eperm), (0xFFFFFFFF | 1 << 32, allow)):
+        assert _filtered(program, arch, calls["personality"], persona) == expected, hex(persona)
+    assert ("modify_ldt" in calls) == (arch == "x86_64") and "modify_ldt" in confine.DENIED
+    for name in confine.DENIED:
+        if name in calls:
+            assert _filtered(program, arch, calls[name]) == eperm, name
+    read = {"x86_64": 0, "aarch64": 63}[arch]
+    assert _filtered(program, arch, read, 3) == allow

@@ -130,25 +130,53 @@ def test_a_probe_runs_its_check_in_a_child_and_says_what_it_raised():
     assert privileges.probe(lambda: 1 / 0).startswith("ZeroDivisionError")
 
 
-def test_the_fork_server_preloads_only_what_the_kit_and_its_dependencies_name():
-    """sandbox.preloads: the kit's and its dependencies' modules an import line names (a
-    ``from`` import: the package and each name that may be a submodule); never another
-    package, a relative import, the exercise tests, or a line that does not parse."""
+def test_the_fork_server_preloads_only_modules_of_the_fixed_list():
+    """sandbox.preloads: of the modules an import line names (a ``from`` import: the
+    package and each name that may be a submodule), only those of answers.PRELOADS;
+    never another module of the kit (its ``__main__`` modules start benchmarks and
+    launches), another package, a relative import, the exercise tests, or a line that
+    does not parse. Every module of the library, named, is checked."""
+    from pathlib import Path
+
+    from distlab.grading import answers
+
     lines = ["import matplotlib.pyplot as plt", "from distlab import viz, comm",
              "import os, numpy", "import evil_package", "from . import sibling",
              "from distlab.grading import exercises", "import distlab.grading.exercises.ring_cases",
-             "from torch.optim import *", "import matplotlib.pyplot", "def (", "x" + "+x" * 10**5]
+             "from torch.optim import *", "import matplotlib.pyplot", "def (", "x" + "+x" * 10**5,
+             "import distlab.bench.__main__", "from distlab.acceptance import __main__"]
     assert sandbox.preloads(lines) == ["matplotlib.pyplot", "distlab", "distlab.viz",
-                                       "distlab.comm", "numpy", "distlab.grading", "torch.optim"]
-    assert len(sandbox.preloads([f"import torch.m{i}" for i in range(1000)])) == sandbox.MAX_PRELOAD
+                                       "distlab.comm", "numpy", "distlab.grading",
+                                       "distlab.acceptance"]
+    lib = Path(sandbox.__file__).resolve().parents[1]
+    every = [".".join(("distlab", *p.relative_to(lib).with_suffix("").parts))
+             for p in lib.rglob("*.py")]
+    named = sandbox.preloads([f"import {m}" for m in every], ["distlab.train.__main__", "os"])
+    assert set(named) <= answers.PRELOADS and not any("__main__" in m for m in named)
+    assert sandbox.preloads([], ["torch._dynamo", "evil"]) == ["torch._dynamo"]
 
 
-def test_what_the_fork_server_preloads_for_the_solutions_starts_no_thread(tmp_path):
-    """Every module the solutions' imports and the exercise tests' RANK_IMPORTS name,
-    imported as the fork server does, starts no thread beyond those of torch's import
-    (which the server has made before) and leaves CUDA uninitialised: a fork copies no
-    thread, so a lock one held would be held forever in every rank, and a forked rank
-    cannot use a CUDA its parent initialised."""
+def test_a_fork_server_never_starts_a_launch(tmp_path):
+    """A module the server imported that starts a launch (as ``distlab.bench.__main__``
+    does) gets an error: servers never start servers."""
+    import subprocess
+
+    code = ("import os\nfrom distlab import launch\nfrom distlab.runtime import forkserver\n"
+            "forkserver._SERVER = os.getpid()\n"
+            "try:\n    launch.run(os.getpid, 1, backend='gloo', timeout=30)\n"
+            "except Exception as exc:\n    print('refused:', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert "cannot start a launch" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_what_the_fork_server_may_preload_has_no_effect_at_import(tmp_path):
+    """Every module of answers.PRELOADS (which holds all that the solutions' imports and
+    the exercise tests' RANK_IMPORTS name), imported as the fork server does, starts no
+    thread beyond those of torch's import (which the server has made before), writes no
+    file and leaves CUDA uninitialised: a fork copies no thread, so a lock one held would
+    be held forever in every rank, and a forked rank cannot use a CUDA its parent
+    initialised."""
     import subprocess
     from pathlib import Path
 
@@ -156,12 +184,15 @@ def test_what_the_fork_server_preloads_for_the_solutions_starts_no_thread(tmp_pa
 
     from distlab.grading import labs, notebook
 
+    from distlab.grading import answers
+
     root = Path(__file__).resolve().parents[1]
     lines = [line for nb in sorted((root / "solutions").glob("*.ipynb"))
              for line in notebook.imports(nbformat.read(nb, as_version=4))]
     declared = sorted({m for f in labs.TESTS.glob("test_*.py") for m in labs.rank_imports(f)})
     assert declared, "no exercise test declares RANK_IMPORTS"
-    names = sandbox.preloads(lines) + declared
+    assert set(sandbox.preloads(lines, declared)) <= answers.PRELOADS
+    names = sorted(answers.PRELOADS)
     assert "matplotlib.pyplot" in names and "torch._dynamo" in names, names
     code = ("import importlib, os, sys, torch\nprint(len(os.listdir('/proc/self/task')))\n"
             "for n in sys.argv[1:]:\n    try:\n        importlib.import_module(n)\n"
@@ -173,3 +204,4 @@ def test_what_the_fork_server_preloads_for_the_solutions_starts_no_thread(tmp_pa
     torch_alone, after, cuda = out.stdout.split()[-3:]
     assert after == torch_alone, f"threads: {torch_alone} with torch, {after} after {names}"
     assert cuda == "False", f"importing {names} initialised CUDA"
+    assert not os.listdir(tmp_path), f"importing {names} wrote {os.listdir(tmp_path)}"

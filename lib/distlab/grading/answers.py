@@ -43,7 +43,8 @@ ANSWERS: dict[str, tuple[str, ...]] = {
                    "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards"),
     "ZeRO3Unit": ("distlab.zero.fsdp:_Unit", "distlab.zero.fsdp:FullyShardedDataParallel",
                   "distlab.zero.flat:FlatParams", "distlab.zero.flat:Layout",
-                  "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards"),
+                  "distlab.zero.flat:reduce_scatter_mean", "distlab.zero.flat:all_gather_shards",
+                  "distlab.zero.grads:reduce_grads"),
     "ColumnParallelLinear": _LAYERS,
     "RowParallelLinear": _LAYERS,
     # the embedding's forward is the masked lookup and sum the loss needs for the target's logit
@@ -59,7 +60,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "mesh_groups": ("distlab.mesh.grid:Grid", "distlab.mesh.grid:mesh_groups"),
     "distributed_train_step": ("distlab.train.trainer:Trainer", "distlab.train.trainer:build",
                                "distlab.train.trainer:train", "distlab.train.trainer:_Bucket",
-                               "distlab.train.trainer:_Shards", "distlab.zero.grads:reduce_grads"),
+                               "distlab.train.trainer:_Shards"),
     "ring_attention": ("distlab.cp.ring:ring_attention", "distlab.cp.ring:_RingAttention"),
     # the drop rule (moe.router.kept) and the one-process layer's sum (moe.layer.combine_local)
     # are not answers: the lab's one-process MoE runs on them before the exercise
@@ -70,6 +71,30 @@ ANSWERS: dict[str, tuple[str, ...]] = {
 }
 
 REFUSAL = "this is the library's answer to the exercise being graded"
+
+# The only modules the graded ranks' fork server may import before it forks them, as the
+# grader and outside the sandbox (distlab.grading.sandbox.preloads): what the labs' import
+# lines and the exercise tests' RANK_IMPORTS name, none of which has an effect at import
+# (tests/test_sandbox.py imports each as the server does). A module a student names that
+# is not here is imported in the confined rank, by the rank.
+PRELOADS = frozenset((
+    "IPython.display", "distlab", "distlab.acceptance", "distlab.acceptance.render",
+    "distlab.backend", "distlab.bench", "distlab.bench.collectives", "distlab.bench.overlap",
+    "distlab.bench.pp", "distlab.bench.ring", "distlab.bench.throughput", "distlab.bench.tp",
+    "distlab.bench.trace", "distlab.checkpoint", "distlab.collectives",
+    "distlab.collectives.broadcast_model", "distlab.collectives.p2p_check",
+    "distlab.collectives.ring_traffic", "distlab.comm", "distlab.cp", "distlab.cp.layout",
+    "distlab.data", "distlab.dp", "distlab.dp.channels", "distlab.fp8", "distlab.grading",
+    "distlab.launch", "distlab.mesh", "distlab.model", "distlab.moe", "distlab.moe.router",
+    "distlab.planner", "distlab.pp", "distlab.shards", "distlab.tp", "distlab.train",
+    "distlab.units", "distlab.viz", "distlab.viz.bandwidth", "distlab.viz.fp8",
+    "distlab.viz.pipeline", "distlab.viz.planner", "distlab.viz.ring", "distlab.viz.timeline",
+    "distlab.viz.tp", "distlab.viz.training", "distlab.viz.zero", "distlab.zero",
+    "distlab.zero.flat", "distlab.zero.kernel", "distlab.zero.memory", "ipywidgets",
+    "matplotlib.pyplot", "numpy", "torch", "torch._dynamo", "torch.distributed", "torch.nn",
+    "torch.nn.functional", "torch.utils.flop_counter",
+))
+
 
 
 def hidden_modules() -> list[str]:

@@ -303,7 +303,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         run_dir.mkdir(mode=0o711)  # the ranks' own folders go here, and go with it
         # PYTEST_DISABLE_PLUGIN_AUTOLOAD: the run loads the grader's plugin and no other
         # (nbval's import alone, through nbformat and jsonschema, costs ~1.5 s per run)
-        env = dict(os.environ, DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
+        env = dict(sandbox.run_environment(), DISTLAB_STUDENT=str(module), DISTLAB_SANDBOX="1",
                    DISTLAB_SANDBOX_USER=user, TMPDIR=str(run_dir), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
                    DISTLAB_GRADE_MEMORY_MB=str(memory_mb or memory_limit_mb()))
         every_file = [f for n in wanted if n not in missing

@@ -11,76 +11,8 @@ this costs milliseconds; Landlock restricts paths but neither hides them nor dro
 capabilities, and libseccomp's binding is not installable everywhere, so the filter is
 built by hand). :func:`confinement` probes once whether it can be made here; where it
 cannot (macOS, a container forbidding namespaces) the guarantees marked *sandbox* are
-lost and the others hold. What holds ("root": the grader runs as root and found a user
-to switch to, :func:`distlab.runtime.privileges.unprivileged_user`):
-
-1. **Grades come from processes that never run student code.** The grader and each
-   exercise's pytest process never import the student's module: tests reach it through
-   :class:`distlab.grading.student.Student`, whose ``student.NAME`` resolves to the real object only inside
-   launched ranks (or, called directly, inside a one-rank launch). Every check runs in the
-   pytest process on what the ranks return.
-2. **Plain data on every channel.** Ranks of a sandbox (``DISTLAB_SANDBOX=1``) answer
-   with :mod:`distlab.runtime.plain`, never a pickle, and the fork server's requests and
-   replies are plain data too; the report travels through a pipe only pytest holds, and
-   the grading processes (the fork server included) are non-dumpable.
-3. **The maximum is the kit's** (:mod:`distlab.grading.labs`; see the runner).
-4. **The library's answers are absent** from the ranks of their exercise: each exercise
-   is graded by a run of its own whose ranks' fork server installs
-   :mod:`distlab.runtime.absent` before it imports anything, so that no module holding
-   an answer to it is ever loaded there (no source, bytecode, module, function, code
-   object or closure to find); library code that imports one gets stand-ins, and a test
-   that reaches one makes the exercise "refused": 0 points, no hint. The other answer
-   modules are there only when the ranks' preloads import them, and absent otherwise.
-5. **Absent, not hidden** (sandbox): a rank's root holds the Python installation, the
-   site-packages and a copy of the package without ``grading/exercises`` and the answer
-   modules (nor their bytecode), the student's module and the pool's folder; the rest of
-   the kit's checkout (``solutions/``, ``tests/``, ``.git``, other checkouts beside it)
-   is not there, nor an instructor's hidden tests and the grader's copy of them
-   (:mod:`distlab.grading.hidden`). The launcher sends sandboxed ranks no test source for
-   tracebacks. The fork server imports, as the grader and before it forks a rank, only
-   what the kit names: the exercise tests' ``RANK_IMPORTS`` and the modules of the kit
-   and its dependencies that the student's import lines name (:func:`preloads`), never
-   the exercise tests.
-6. **No privilege** (sandbox): the rank's user (as root: ``nobody`` or
-   ``DISTLAB_SANDBOX_USER``; otherwise the grader's own, in a user namespace) holds no
-   capability and cannot gain one; the seccomp filter refuses opening files by handle,
-   ptrace, other processes' memory and descriptors, mounts, namespaces, BPF, io_uring.
-   Without the sandbox, as root: another user, the filter, and CAP_DAC_READ_SEARCH (so
-   that an interpreter under a root-only folder stays importable): files stay readable.
-7. **Nothing carries over** (sandbox): each rank is PID 1 of its own PID namespace, so
-   every process it starts dies with it; the pool's ranks are stopped (and their
-   namespaces emptied) before the next exercise's start; /tmp, /var/tmp and /dev/shm are
-   fresh tmpfs per rank. Root never acts on a path a rank's user can write: the pool's
-   files are created O_EXCL|O_NOFOLLOW and chowned through their descriptor before the
-   folder is handed over, and the launcher reads a rank's files without following links
-   or blocking, only regular ones, up to a bound.
-8. **Limits.** Memory: each graded rank's data (RLIMIT_DATA) and, on gloo ranks, its
-   address space (RLIMIT_AS: shared mappings too) grow by at most ``--memory``
-   (:func:`distlab.grading.student._limit_memory`; allocations past it are "out of memory"; per rank, not GPU
-   memory); tmpfs :data:`TMPFS_MB` each and :data:`PROCESSES` tasks per rank (sandbox);
-   output 1 MiB per rank and launch, and the last :data:`OUTPUT_KEPT` bytes of a run,
-   each cut with a "… N MiB cut" marker; time per exercise (limit plus a grace, timed
-   on the grader's clock) and per notebook; a notebook's size, read before parsing
-   (:func:`distlab.grading.notebook.read_submission`).
-9. **Nothing outlives grading.** Each pytest run goes through :func:`run_contained`: in
-   a new PID namespace (as root; :func:`containment` is "pidns"), otherwise under a child
-   subreaper (Linux), otherwise only its process group is killed.
-10. **Traffic counted outside the ranks** (root with namespaces, ``unshare --net``): each
-    run has a network namespace of its own, ``lo`` alone and up
-    (:func:`distlab.grading.wire.loopback_up`); gloo uses it, and :mod:`distlab.grading.wire`
-    reads its counters from the pytest process. Upper bounds on the bytes moved cannot
-    be forged. Elsewhere a passed test whose traffic evidence was only a CommLog is
-    reported "self-reported".
-
-What this does not guarantee: code running as the grader's own user without the sandbox
-(a student grading their own laptop) can edit the tests themselves. The memory cap is per
-rank, not per exercise, and not on GPU memory; what a rank writes in its pool's folder
-uses disk. Only the library objects named in ANSWERS refuse; other library code stays
-usable. And what is observed *inside* a rank — which collectives ran (CommLog), what
-the status board says — is reported by a process that ran the student's code: checks on
-a CommLog are marked self-reported, and only the bytes counted on the run's own loopback
-(10) bound traffic unforgeably, as an upper bound on volume. Answers (values, gradients,
-weights) are always checked outside the ranks.
+lost and the others hold. docs/design.md, "What the grader guarantees", states each
+guarantee and what it rests on; README.md's table names the test of each.
 """
 from __future__ import annotations
 
@@ -95,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from distlab.grading import answers
 from distlab.runtime.privileges import PR_SET_CHILD_SUBREAPER, prctl
 
 # ------------------------------------------------------------ containing a process tree
@@ -135,6 +68,21 @@ def network_namespace() -> bool:
                               capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+# What a grading run's processes hold of the grader's environment (fnmatch patterns): what
+# its ranks may hold (distlab.runtime.confine.RANK_ENV), the kit's own settings
+# (DISTLAB_*), and where Python finds the kit. The ranks are forked from the run's pytest,
+# so a variable it never held (an instructor's token) is nowhere in a rank's memory.
+RUN_ENV = ("DISTLAB_*", "PYTHONPATH", "VIRTUAL_ENV", "CONDA_PREFIX", "HOME")
+
+
+def run_environment(env=None) -> dict:
+    """The variables of ``env`` (the grader's environment) that a grading run inherits
+    (:data:`RUN_ENV`, :data:`distlab.runtime.confine.RANK_ENV`); the grader adds the run's."""
+    from distlab.runtime import confine
+
+    return confine.allowed(os.environ if env is None else env, (*confine.RANK_ENV, *RUN_ENV))
 
 
 def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
@@ -286,6 +234,7 @@ def _sweep(deadline: float) -> None:
 
 TMPFS_MB = int(os.environ.get("DISTLAB_GRADE_TMPFS_MB", 64))      # each of /tmp, /var/tmp, /dev/shm
 PROCESSES = int(os.environ.get("DISTLAB_GRADE_PROCESSES", 256))   # tasks (threads too) per rank
+FSIZE_MB = int(os.environ.get("DISTLAB_GRADE_FSIZE_MB", 64))      # the largest file a rank writes
 
 
 def _kit_checkout() -> Path | None:
@@ -338,18 +287,21 @@ def _package_view(dest: Path) -> Path:
 
 def _readable_paths(kit: Path | None) -> list[str]:
     """What a rank needs to read: the Python installation and its site-packages, the
-    folder holding the package; nothing else of the kit's checkout."""
+    folder holding the package, the other folders on the path; nothing else of the kit's
+    checkout, and no folder on the path that holds another copy of the kit (an editable
+    install of a second checkout puts its ``lib`` there, answers and all)."""
     import distlab
 
     def inside(path: str, folder: Path | str) -> bool:
         return os.path.commonpath([path, str(folder)]) == str(folder)
 
-    found = [os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix),
-             str(Path(distlab.__file__).resolve().parents[1])]
+    ours = str(Path(distlab.__file__).resolve().parents[1])
+    found = [os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), ours]
     for entry in sys.path:
         path = os.path.realpath(entry) if entry else ""
         if path and os.path.isdir(path) and (
-                kit is None or not inside(path, kit) or inside(path, os.path.realpath(sys.prefix))):
+                kit is None or not inside(path, kit) or inside(path, os.path.realpath(sys.prefix))) \
+                and (path == ours or not os.path.exists(os.path.join(path, "distlab"))):
             found.append(path)
     return found
 
@@ -375,7 +327,7 @@ def _spec(tmp: Path, files: list[str], run_as: tuple | None, preload: list[str] 
                       readable=_readable_paths(kit),
                       hidden_roots=([str(kit)] if kit else []) + list(unseen),
                       new_root=str(root), files=files, tmpfs_mb=TMPFS_MB,
-                      processes=PROCESSES, preload=preload)
+                      processes=PROCESSES, fsize_mb=FSIZE_MB, preload=preload)
     if run_as:
         sp["probe_user"] = list(run_as)
     return sp
@@ -398,17 +350,14 @@ def confinement() -> str:
         return confine.available(_spec(Path(tmp), [], run_as))
 
 
-PRELOADABLE = ("distlab", "torch", "numpy", "matplotlib", "IPython", "ipywidgets")
-MAX_PRELOAD = 200
-
-
-def preloads(import_lines: list[str]) -> list[str]:
-    """The modules that the student's module's ``import_lines`` name (``from a import b``:
-    ``a`` and, if it is one, the submodule ``a.b``) of the kit and the packages it depends
-    on (:data:`PRELOADABLE`; the exercise tests excepted): the ranks' fork server imports
-    them before it forks a rank, once for all the ranks of the run, which would otherwise
-    each import them (matplotlib and the widgets: about 0.5 CPU-s a rank). Importing runs
-    a module's code as the grader, so no other package's name is taken from a student."""
+def preloads(import_lines: list[str], rank_imports=()) -> list[str]:
+    """What the ranks' fork server imports before it forks a rank, once for all the ranks
+    of the run, which would otherwise each import it (matplotlib and the widgets: about
+    0.5 CPU-s a rank): the modules that the student's module's ``import_lines`` name
+    (``from a import b``: ``a`` and, if it is one, the submodule ``a.b``) and the graded
+    tests' ``rank_imports``, of those in the fixed list :data:`distlab.grading.answers.PRELOADS`.
+    Importing runs a module's code as the grader, outside the sandbox, so nothing else
+    named by a student is imported there: the rank imports it, confined."""
     names: list[str] = []
     for line in import_lines:
         try:
@@ -423,9 +372,8 @@ def preloads(import_lines: list[str]) -> list[str]:
                                          if a.name != "*"]
             else:
                 continue
-            names += [n for n in found if n.split(".")[0] in PRELOADABLE and n not in names
-                      and not n.startswith("distlab.grading.exercises")]
-    return names[:MAX_PRELOAD]
+            names += [n for n in found if n in answers.PRELOADS and n not in names]
+    return names + [n for n in rank_imports if n in answers.PRELOADS and n not in names]
 
 
 def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
@@ -444,7 +392,7 @@ def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
         return {}
     run_as = tuple(int(x) for x in user.split(":")) if user else None
     return {confine.ENV: json.dumps(_spec(tmp, [str(module)], run_as,
-                                          [*preloads(list(imports)), *rank_imports], unseen))}
+                                          preloads(list(imports), rank_imports), unseen))}
 
 
 def _init(cmd: list[str]) -> int:

@@ -12,24 +12,44 @@ Python, seconds of importing torch per rank): :func:`enter`, given a :func:`spec
    nothing a student's code forks outlives its exercise. The process left outside only
    relays signals and the exit status.
 2. **a root of its own** (``pivot_root``): a tmpfs holding read-only binds of the
-   machine's top-level folders, except those that hold the kit's checkout or a folder
-   the rank could not otherwise enter: those are rebuilt from the paths the rank needs
-   (the Python installation, site-packages). The kit's package is bound from a copy
-   without the exercise tests and the library's answer modules; ``solutions/``, the
-   tests, ``.git`` and other checkouts beside it are simply not in that root. /tmp,
-   /var/tmp and /dev/shm are fresh tmpfs of a capped size; /proc is the rank's PID
-   namespace's own. Writable: only the pool's folder.
+   system's top-level folders (:data:`SYSTEM`: programs, libraries, settings, devices,
+   sysfs) and of the paths the rank needs wherever they are (the Python installation,
+   site-packages); every other top-level folder (home folders, other checkouts of the
+   kit, data) is absent. Read-only reaches the last mount below each bind
+   (:func:`_read_only`), so no writable mount of the host shows through. The kit's
+   package is bound from a copy without the exercise tests and the library's answer
+   modules; ``solutions/``, the tests, ``.git`` and other checkouts beside it are simply
+   not in that root. /tmp, /var/tmp and /dev/shm are fresh tmpfs of a capped size; /proc
+   is the rank's PID namespace's own. Writable: those tmpfs, and of the pool's folder
+   (on the host's disk) only the rank's own files, each bound alone
+   (:func:`distlab.runtime.worker.rank_files`: its status board, its stack dumps, the
+   rendezvous store); the folder itself is not there, so nothing new can be made in it.
 3. **no privilege**: the user switched to (root grader) with no supplementary groups, in
    a user namespace of its own (so its process count is the rank's alone), with every
    capability dropped (effective, permitted, inheritable, ambient and the bounding set)
    and no new privileges.
 4. **seccomp** (x86-64, aarch64): :data:`DENIED` system calls fail with EPERM — opening
    files by handle, tracing or reading other processes' memory, taking their
-   descriptors, mounting, making namespaces, loading BPF, io_uring, memfd; clone3 answers
-   ENOSYS so that libc falls back to clone, whose namespace flags are refused.
-5. **limits**: processes (RLIMIT_NPROC, counted in the rank's user namespace), and the
+   descriptors, mounting, making namespaces, loading BPF, io_uring, memfd, modify_ldt
+   (x86-64); clone3 answers ENOSYS so that libc falls back to clone, whose namespace
+   flags are refused. ``socket`` and ``socketpair`` of any family but AF_UNIX, AF_INET
+   and AF_INET6 fail with EAFNOSUPPORT (AF_VSOCK, AF_PACKET, AF_NETLINK's many
+   protocols...), with one exception: ``socket(AF_NETLINK, *, NETLINK_ROUTE)``, through
+   which glibc's getifaddrs() lists the interfaces, as gloo (and NCCL) must to find the
+   one they were told to use (refused, gloo's ranks do not start). ``personality``
+   answers only its query, ``personality(0xffffffff)``, and changes nothing.
+5. **limits**: processes (RLIMIT_NPROC, counted in the rank's user namespace), the size
+   of any file the rank writes (RLIMIT_FSIZE: a write past it fails with EFBIG), and the
    tmpfs sizes; memory is capped by the grader when the student's module is imported
    (:func:`distlab.grading.student._limit_memory`).
+6. **an environment of its own**: the launcher gives a graded rank the launch's
+   variables and, of the grader's environment, only what :data:`RANK_ENV` allows; the
+   fork server's child reads the sandbox's spec (:data:`ENV`) and drops it before
+   anything else runs, and :func:`forget_environment` zeroes the environment strings
+   the rank's memory holds from the exec of the process it was forked from (what
+   /proc/self/environ shows). That process, the grading run's pytest, inherits only
+   :data:`distlab.grading.sandbox.RUN_ENV` too, so a variable of the grader's outside
+   both lists (an instructor's token) is nowhere in a rank's memory.
 
 Where any of this is unavailable (not Linux, a kernel or container that refuses a
 namespace), :func:`available` says why and the grader falls back to what
@@ -51,9 +71,23 @@ from distlab.runtime.privileges import probe
 
 ENV = "DISTLAB_SANDBOX_SPEC"
 
+# What a graded rank's environment holds of the grader's (fnmatch patterns): the locale,
+# the search path for programs, and the settings of CUDA, NCCL, gloo, torch and the thread
+# pools. The launcher adds the launch's own variables (RANK, WORLD_SIZE, LOCAL_*,
+# DISTLAB_DIR...) and :data:`RANK_SETUP`; nothing else of the grader's environment (an
+# instructor's token, the grader's paths) reaches a rank (:func:`forget_environment`).
+RANK_ENV = ("PATH", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM", "CUDA_*", "NCCL_*", "GLOO_*",
+            "TORCH_*", "TORCHINDUCTOR_*", "TRITON_*", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
+            "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MPLBACKEND", "PYTHONHASHSEED",
+            "PYTHONIOENCODING", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE")
+# read by the rank before the student's code runs: this sandbox's spec (taken out of the
+# environment before anything runs) and the memory cap (distlab.grading.student)
+RANK_SETUP = (ENV, "DISTLAB_GRADE_MEMORY_MB")
+
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x08000000, 0x10000000, 0x20000000
 NAMESPACE_FLAGS = 0x7E020080  # every CLONE_NEW* flag (ns, cgroup, uts, ipc, user, pid, net, time)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, SECCOMP_MODE_FILTER = 47, 4, 2
@@ -68,7 +102,8 @@ _CALLS = {
                    memfd_secret=447, io_uring_setup=425, io_uring_enter=426,
                    io_uring_register=427, open_tree=428, move_mount=429, fsopen=430,
                    fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-                   clone=56, clone3=435),
+                   modify_ldt=154, clone=56, clone3=435, personality=135, socket=41,
+                   socketpair=53),
     "aarch64": dict(ptrace=117, process_vm_readv=270, process_vm_writev=271, kcmp=272,
                     name_to_handle_at=264, open_by_handle_at=265, pidfd_getfd=438,
                     process_madvise=440, mount=40, umount2=39, pivot_root=41, chroot=51,
@@ -77,10 +112,18 @@ _CALLS = {
                     memfd_secret=447, io_uring_setup=425, io_uring_enter=426,
                     io_uring_register=427, open_tree=428, move_mount=429, fsopen=430,
                     fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-                    clone=220, clone3=435),
+                    clone=220, clone3=435, personality=92, socket=198, socketpair=199),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-DENIED = tuple(n for n in _CALLS["x86_64"] if n not in ("clone", "clone3"))
+# the calls the filter looks into (their arguments), rather than refusing them outright
+_SCREENED = ("clone", "clone3", "personality", "socket", "socketpair")
+DENIED = tuple(n for n in _CALLS["x86_64"] if n not in _SCREENED)  # modify_ldt: x86-64 only
+# socket families a rank may open (AF_UNIX, AF_INET, AF_INET6), and AF_NETLINK with
+# NETLINK_ROUTE alone: glibc's getifaddrs() reads the interfaces through one, and gloo
+# (and NCCL) call it to find the interface they were told to use
+SOCKET_FAMILIES = (1, 2, 10)
+AF_NETLINK, NETLINK_ROUTE = 16, 0
+PERSONALITY_QUERY = 0xFFFFFFFF  # personality(0xffffffff) reads the persona, changes nothing
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -107,21 +150,45 @@ def _prctl(option: int, *args: int) -> None:
 
 def seccomp_program(arch: str | None = None) -> bytes:
     """The BPF program (struct sock_filter[]) that refuses :data:`DENIED` with EPERM,
-    clone with a namespace flag with EPERM, clone3 with ENOSYS, kills a process that uses
-    another architecture's calling convention, and allows everything else."""
+    clone with a namespace flag with EPERM, clone3 with ENOSYS, ``personality`` with
+    EPERM but for its query (:data:`PERSONALITY_QUERY`), ``socket`` and ``socketpair``
+    of a family outside :data:`SOCKET_FAMILIES` with EAFNOSUPPORT (``socket`` allows
+    AF_NETLINK with NETLINK_ROUTE, for getifaddrs), kills a process that uses another
+    architecture's calling convention, and allows everything else. Arguments are
+    compared on their low 32 bits, all the kernel reads of an int."""
     arch = arch or platform.machine()
     calls = _CALLS[arch]
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
-    eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
+    eperm, enosys, eafnosupport = 0x00050000 | 1, 0x00050000 | 38, 0x00050000 | 97
+
+    def arg(i: int) -> tuple:  # load args[i]'s low word (struct seccomp_data, little-endian)
+        return (ld, 0, 0, 16 + 8 * i)
+
+    def screened(name: str, body: list) -> list:  # body returns on every path
+        return [(jeq, 0, len(body), calls[name])] + body
+
+    def families(netlink: bool) -> list:
+        tail = [(jeq, 0, 2, AF_NETLINK), arg(2), (jeq, 1, 0, NETLINK_ROUTE)] if netlink else []
+        at_allow = len(SOCKET_FAMILIES) + len(tail) + 1  # from the first family's test
+        return [arg(0)] + [(jeq, at_allow - i - 1, 0, family)
+                           for i, family in enumerate(SOCKET_FAMILIES)] + tail + [
+            (ret, 0, 0, eafnosupport), (ret, 0, 0, allow)]
+
     prog = [(ld, 0, 0, 4), (jeq, 1, 0, _AUDIT_ARCH[arch]), (ret, 0, 0, kill), (ld, 0, 0, 0)]
     if arch == "x86_64":  # the x32 ABI reaches the same calls under other numbers
         prog += [(jge, 0, 1, 0x40000000), (ret, 0, 0, eperm)]
     for name in DENIED:
-        prog += [(jeq, 0, 1, calls[name]), (ret, 0, 0, eperm)]
-    prog += [(jeq, 0, 1, calls["clone3"]), (ret, 0, 0, enosys),
-             (jeq, 0, 3, calls["clone"]), (ld, 0, 0, 16),  # clone's flags, args[0] low word
-             (jset, 0, 1, NAMESPACE_FLAGS), (ret, 0, 0, eperm), (ret, 0, 0, allow)]
+        if name in calls:  # modify_ldt is x86's alone
+            prog += [(jeq, 0, 1, calls[name]), (ret, 0, 0, eperm)]
+    prog += [(jeq, 0, 1, calls["clone3"]), (ret, 0, 0, enosys)]
+    prog += screened("clone", [arg(0), (jset, 0, 1, NAMESPACE_FLAGS), (ret, 0, 0, eperm),
+                               (ret, 0, 0, allow)])
+    prog += screened("personality", [arg(0), (jeq, 1, 0, PERSONALITY_QUERY),
+                                     (ret, 0, 0, eperm), (ret, 0, 0, allow)])
+    prog += screened("socket", families(netlink=True))
+    prog += screened("socketpair", families(netlink=False))
+    prog += [(ret, 0, 0, allow)]
     return b"".join(struct.pack("<HBBI", *op) for op in prog)
 
 
@@ -142,13 +209,14 @@ def install_seccomp() -> None:
 
 
 def spec(*, package: str, package_view: str, readable: list[str], hidden_roots: list[str],
-         new_root: str, files: list[str], tmpfs_mb: int, processes: int,
+         new_root: str, files: list[str], tmpfs_mb: int, processes: int, fsize_mb: int,
          preload: list[str] = ()) -> dict:
     """What :func:`enter` builds (all paths absolute, made by the grader, which sees all):
     ``package`` is bound from ``package_view``; ``readable`` are bound read-only;
     top-level folders holding one of ``hidden_roots`` or an unreachable readable path are
     rebuilt from the readable paths alone; ``files`` (the student's module) are bound
-    read-only; ``new_root`` is an empty folder to build on; ``preload`` are imported by
+    read-only; ``new_root`` is an empty folder to build on; ``tmpfs_mb``, ``processes``
+    and ``fsize_mb`` are the limits (:func:`enter`); ``preload`` are imported by
     the fork server before it forks a rank, where importing one fails too
     (:func:`distlab.grading.sandbox.preloads` chooses them)."""
     def unreachable(path: str) -> bool:
@@ -165,17 +233,47 @@ def spec(*, package: str, package_view: str, readable: list[str], hidden_roots: 
                       {p.strip("/").split("/")[0] for p in readable if unreachable(p)})
     return {"package": package, "package_view": package_view, "readable": sorted(set(readable)),
             "skeleton": skeleton, "new_root": new_root, "files": files, "tmpfs_mb": tmpfs_mb,
-            "processes": processes, "preload": list(preload)}
+            "processes": processes, "fsize_mb": fsize_mb, "preload": list(preload)}
+
+
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = -100, 0x8000, 1
+
+
+def _mounts_below(target: str) -> list[str]:
+    """Every mount point at or below ``target`` (/proc/self/mountinfo's fifth field, its
+    octal escapes undone), parents first."""
+    below = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = line.split()[4].decode("unicode_escape").encode("latin-1").decode()
+            if point == target or point.startswith(target.rstrip("/") + "/"):
+                below.append(point)
+    return sorted(set(below), key=len)
+
+
+def _read_only(target: str) -> None:
+    """Make the mount at ``target`` and every mount below it read-only: mount_setattr
+    with AT_RECURSIVE (Linux 5.12), else a remount of each one mountinfo lists. A bind's
+    remount read-only covers its top mount only, and a writable mount below a bound
+    folder (a host's /run/lock, /dev/mqueue) would stay writable and outlive the rank."""
+    attr = struct.pack("QQQQ", MOUNT_ATTR_RDONLY, 0, 0, 0)
+    if _libc.syscall(_CALLS[platform.machine()]["mount_setattr"], ctypes.c_int(AT_FDCWD),
+                     os.fsencode(target), ctypes.c_uint(AT_RECURSIVE), attr,
+                     ctypes.c_size_t(len(attr))) == 0:
+        return
+    for point in _mounts_below(target):
+        # a user namespace may not clear the flags a bind carries: keep them (statvfs's
+        # ST_* equal the MS_* flags but for relatime)
+        have = os.statvfs(point).f_flag
+        flags = have & (MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_NOATIME | MS_NODIRATIME)
+        flags |= MS_RELATIME if have & os.ST_RELATIME else 0
+        _mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
 
 
 def _bind(source: str, target: str, writable: bool = False) -> None:
     _mount(source, target, None, MS_BIND | MS_REC)
     if not writable:
-        flags = os.statvfs(target).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        try:  # a user namespace may not clear the flags a bind carries: keep them
-            _mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | flags)
-        except OSError:
-            pass  # read-only is a second line: the rank's user cannot write there anyway
+        _read_only(target)
 
 
 def _place(root: str, path: str, is_dir: bool) -> str:
@@ -185,6 +283,13 @@ def _place(root: str, path: str, is_dir: bool) -> str:
     if not is_dir and not os.path.exists(target):
         os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
     return target
+
+
+# The top-level folders a rank's root binds whole (read-only): the system's programs,
+# libraries and settings, devices and sysfs (NCCL reads the topology there). Any other
+# (home folders, other checkouts of the kit, data) is absent, but for the paths the spec
+# names readable (the Python installation, its site-packages), bound alone.
+SYSTEM = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "etc", "dev", "sys")
 
 
 def _build_root(sp: dict, writable: list[str]) -> None:
@@ -201,8 +306,8 @@ def _build_root(sp: dict, writable: list[str]) -> None:
             os.mkdir(target, 0o755)
             if entry == "tmp":
                 _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
-            elif entry not in ("proc",) and entry not in sp["skeleton"]:
-                _bind(source, target, writable=entry == "dev")
+            elif entry in SYSTEM and entry not in sp["skeleton"]:
+                _bind(source, target)  # /dev too: a device node opens for writing anyway
     for path in sorted(sp["readable"], key=len):
         if os.path.isdir(path):
             _bind(path, _place(root, path, True))
@@ -212,8 +317,8 @@ def _build_root(sp: dict, writable: list[str]) -> None:
     for path in writable:
         _bind(path, _place(root, path, os.path.isdir(path)), writable=True)
     for place in ("/dev/shm", "/var/tmp"):
-        if os.path.isdir(root + place):
-            _mount("tmpfs", root + place, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
+        _mount("tmpfs", _place(root, place, True), "tmpfs", MS_NOSUID | MS_NODEV,
+               f"mode=1777,{size}")
     try:  # the rank's own PID namespace: no other process of the machine is listed
         _mount("proc", _place(root, "/proc", True), "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:  # a container that masks parts of /proc refuses a fresh one
@@ -271,7 +376,8 @@ def enter(sp: dict, run_as: tuple[int, int] | None, writable: list[str]) -> None
     """In a freshly forked rank (before it runs anything of the student's): returns in a
     process confined as the module docstring says; the process that called it stays
     outside as a relay and never returns (it exits with the confined process's status).
-    ``run_as``: (uid, gid) to become when root; ``writable``: folders the rank writes."""
+    ``run_as``: (uid, gid) to become when root; ``writable``: the files the rank writes
+    outside its tmpfs (its own in the pool's folder), each bound alone, writable."""
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC
     uid, gid = os.getuid(), os.getgid()
     if os.geteuid() != 0:
@@ -292,8 +398,10 @@ def enter(sp: dict, run_as: tuple[int, int] | None, writable: list[str]) -> None
         os._exit(1)
     os.close(alive_r)
     _build_root(sp, writable)
-    procs = int(sp["processes"])
+    procs, fsize = int(sp["processes"]), int(sp["fsize_mb"]) << 20
     resource.setrlimit(resource.RLIMIT_NPROC, (procs, procs))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))  # EFBIG past it in Python,
+    #                                                    which ignores SIGXFSZ
     _drop_everything(run_as if os.geteuid() == 0 else None)
     install_seccomp()
 
@@ -322,6 +430,35 @@ def _relay(pid: int, alive: int) -> None:
 def from_env(env: dict) -> dict | None:
     text = env.get(ENV)
     return json.loads(text) if text else None
+
+
+# ------------------------------------------------------------------- the environment
+
+
+def allowed(env: dict, patterns) -> dict:
+    """The variables of ``env`` whose names match one of ``patterns`` (fnmatch, case kept)."""
+    import fnmatch
+
+    return {k: v for k, v in env.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+
+
+def forget_environment(env: dict) -> None:
+    """Make ``env`` this process's whole environment, and forget the one it inherited:
+    ``os.environ`` and libc's are emptied, and the strings the process was started with
+    (the exec of an ancestor that this process was forked from: what /proc/self/environ
+    shows) are overwritten with zeros, since a rank may read its own memory."""
+    os.environ.clear()
+    if hasattr(_libc, "clearenv"):  # glibc, musl
+        _libc.clearenv()
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (proc(5))
+    except (OSError, IndexError, ValueError):
+        start = end = 0
+    if 0 < start < end:
+        ctypes.memset(start, 0, end - start)
+    os.environ.update(env)
 
 
 def available(sp: dict) -> str:

@@ -137,10 +137,22 @@ class _Forked:
                 pass
 
 
+_SERVER: int | None = None  # this process's PID while it serves as a fork server
+
+
+def _refuse_in_server() -> None:
+    """A fork server never starts another (whatever it imported tried to launch ranks):
+    servers starting servers would multiply without end."""
+    if _SERVER == os.getpid():
+        raise ForkServerError("a rank fork server cannot start a launch (a module it "
+                              "imported tried to)")
+
+
 class ForkServer:
     """The launcher's handle on the server process."""
 
     def __init__(self):
+        _refuse_in_server()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ, DISTLAB_FORKSERVER_FD=str(theirs.fileno()),
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
@@ -170,6 +182,7 @@ class ForkServer:
         that holds nothing a rank may see: the grader's pytest before it imports a test
         (:mod:`distlab.grading.plugin`). The server keeps no descriptor but its socket
         and the standard three, and has a session of its own."""
+        _refuse_in_server()
         _import_shared()
         if threading.active_count() != 1:
             return None
@@ -302,19 +315,26 @@ def _child(env: dict, channel: int, stdout: int, stderr: int, server: int) -> No
     os.close(stderr)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
-    run_as = env.get("DISTLAB_RUN_AS")
+    run_as = env.pop("DISTLAB_RUN_AS", None)
     user = tuple(int(x) for x in run_as.split(":")) if run_as else None
     sandbox = confine.from_env(env)
+    env.pop(confine.ENV, None)  # read here, never seen by the student's code
     if sandbox is not None:  # the autograder's ranks: confined (the relay stays outside)
-        confine.enter(sandbox, user, [env["DISTLAB_DIR"]])
+        files = worker.rank_files(env["DISTLAB_DIR"], int(env["RANK"]))
+        confine.enter(sandbox, user, list(files.values()))
+        env.update(HOME="/tmp", TMPDIR="/tmp")  # its own capped tmpfs
     elif user:  # the autograder without namespaces: another user and the filter, at least
         from distlab.runtime.privileges import drop_privileges
 
         drop_privileges(*user)
         if confine.filter_available():
             confine.install_seccomp()
-    os.environ.clear()
-    os.environ.update(env, DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(os.getppid()))
+    env.update(DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(os.getppid()))
+    if env.get("DISTLAB_PLAIN") == "1":  # a graded rank: nothing of what it was forked with
+        confine.forget_environment(env)
+    else:
+        os.environ.clear()
+        os.environ.update(env)
     worker.main()  # sets PR_SET_PDEATHSIG, which a change of user would have cleared
 
 
@@ -401,6 +421,8 @@ def serve(sock: socket.socket) -> None:
     """Fork ranks on the requests of ``sock`` until its other end closes."""
     from distlab.runtime import confine, privileges
 
+    global _SERVER
+    _SERVER = os.getpid()
     privileges.make_non_dumpable()  # a rank of the same user cannot trace it nor take its fds
     sandbox = confine.from_env(os.environ)
     # graded ranks: what the student's module and the graded tests' ranks import, once here
@@ -408,7 +430,7 @@ def serve(sock: socket.socket) -> None:
     for name in sandbox.get("preload", ()) if sandbox else ():
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001
+        except BaseException:  # noqa: BLE001 (SystemExit too: the server must live on)
             pass
     absent.install_from_env("later")  # the answers no rank of this run imported
     gc.freeze()  # what is imported stays out of every collection: a rank's collector never
@@ -434,5 +456,5 @@ def main() -> None:
     serve(sock)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the module proper, not this __main__ copy, holds _SERVER
+    importlib.import_module("distlab.runtime.forkserver").main()

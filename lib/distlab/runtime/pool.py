@@ -15,12 +15,12 @@ import threading
 import time
 from multiprocessing.connection import Connection, wait
 
-from distlab.runtime import plain
+from distlab.runtime import confine, plain, worker
 from distlab.runtime.errors import (LaunchError, LaunchTimeout, RankCrashed, RankError,
                                     exception_line, own_frame)
 from distlab.runtime.forkserver import ForkServerError
 from distlab.runtime.rankproc import (MAX_BUFFERED, SANDBOX_BUFFERED, RankProcess,
-                                     create_board, wait_exit)
+                                     create_board, create_file, wait_exit)
 from distlab.runtime.report import (Shown, error_field, first_line, indent, innermost,
                                     missing_package_hint, tidy_stack, update_bar)
 
@@ -152,17 +152,27 @@ class Pool:
         run_as = sandbox or None
         self.workdir, self._lock = _new_workdir()
         for r in range(world_size):  # every file root makes there, before the folder is given
-            create_board(os.path.join(self.workdir, f"status-{r}"), run_as)
+            files = worker.rank_files(self.workdir, r)
+            create_board(files["status"], run_as)
+            if sandbox is not None:  # a confined rank is given these files, not the folder
+                create_file(files["stack"], run_as)
+                if r == 0:
+                    create_file(files["store"], run_as)
         if run_as:
             os.chown(self.workdir, *run_as)
-        env = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        if sandbox is None:
+            env = dict(os.environ)
+            for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "DISTLAB_SANDBOX",
+                        "DISTLAB_SANDBOX_USER", "DISTLAB_IN_PROCESS"):
+                env.pop(key, None)
+        else:  # graded ranks: of the grader's environment, only what confine.RANK_ENV allows
+            env = confine.allowed(os.environ, confine.RANK_ENV)
+            env.update({key: os.environ[key] for key in confine.RANK_SETUP if key in os.environ},
+                       DISTLAB_PLAIN="1", HOME=self.workdir, TMPDIR=self.workdir)  # a
+            #          confined rank's are its own /tmp (distlab.runtime.forkserver._child)
+        env.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                    DISTLAB_WORKER="1", DISTLAB_BACKEND=name, DISTLAB_DIR=self.workdir,
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        for key in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "DISTLAB_SANDBOX",
-                    "DISTLAB_SANDBOX_USER", "DISTLAB_IN_PROCESS"):
-            env.pop(key, None)
-        if sandbox is not None:
-            env.update(DISTLAB_PLAIN="1", HOME=self.workdir, TMPDIR=self.workdir)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
         try:
             for r in range(world_size):

@@ -36,9 +36,14 @@ def create_board(path: str, run_as=None) -> None:
     that root never acts on a path that a student's process could have planted."""
     from distlab.comm import StatusBoard
 
+    create_file(path, run_as, b"\0" * StatusBoard.SIZE)
+
+
+def create_file(path: str, run_as=None, content: bytes = b"") -> None:
+    """Create ``path`` as :func:`create_board` does, holding ``content``."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, b"\0" * StatusBoard.SIZE)
+        os.write(fd, content)
         if run_as:
             os.fchown(fd, *run_as)
     finally:
@@ -123,8 +128,12 @@ class _Spawned:
     has been reaped, so a signal never reaches a recycled PID."""
 
     def __init__(self, env: dict, channel: int, stdout: int, stderr: int, run_as=None):
+        from distlab.runtime import absent
+
         env = dict(env, DISTLAB_FD=str(channel), DISTLAB_PARENT_PID=str(os.getpid()),
                    PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        if absent.ENV in os.environ:  # a fresh interpreter makes the answers absent itself
+            env.setdefault(absent.ENV, os.environ[absent.ENV])
         env.pop("DISTLAB_RUN_AS", None)
         user = {} if run_as is None else {"user": run_as[0], "group": run_as[1],
                                           "extra_groups": []}
@@ -203,9 +212,11 @@ class RankProcess:
     def __init__(self, rank: int, env: dict, workdir: str, run_as=None,
                  output_limit: int = MAX_BUFFERED):
         """The rank's status board (``workdir``/status-RANK) must exist: :func:`create_board`."""
+        from distlab.runtime.worker import rank_files
+
         self.rank = rank
-        self.status_path = os.path.join(workdir, f"status-{rank}")
-        self.stack_path = os.path.join(workdir, f"stack-{rank}.txt")
+        files = rank_files(workdir, rank)
+        self.status_path, self.stack_path = files["status"], files["stack"]
         self.proc = self.conn = self.out = self.err = None
         self._terminated = False
         ours, theirs = socket.socketpair()
@@ -306,4 +317,4 @@ def wait_exit(procs, timeout: float) -> None:
             p.proc.wait(max(0.0, deadline - time.monotonic()))
 
 
-__all__ = ["Capture", "RankProcess", "create_board", "prefork", "stop_forkserver", "wait_exit", "wait_readable"]
+__all__ = ["Capture", "RankProcess", "create_board", "create_file", "prefork", "stop_forkserver", "wait_exit", "wait_readable"]

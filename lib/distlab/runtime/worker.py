@@ -52,6 +52,15 @@ def send(conn, message) -> None:
     conn.send_bytes(plain.dumps(message))
 
 
+def rank_files(workdir: str, rank: int) -> dict[str, str]:
+    """The files rank ``rank`` writes in its pool's folder ``workdir``: its status board,
+    its stack dumps (both read by the launcher) and the rendezvous store all the ranks
+    share. A graded rank writes nothing else there (:mod:`distlab.runtime.confine`)."""
+    return {"status": os.path.join(workdir, f"status-{rank}"),
+            "stack": os.path.join(workdir, f"stack-{rank}.txt"),
+            "store": os.path.join(workdir, "store")}
+
+
 def _die_with_parent(parent_pid: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -131,11 +140,11 @@ def main() -> None:
     from multiprocessing.connection import Connection
 
     conn = Connection(int(env["DISTLAB_FD"]))
-    workdir = env["DISTLAB_DIR"]
+    files = rank_files(env["DISTLAB_DIR"], rank)
     sandbox = env.get("DISTLAB_PLAIN") == "1"
-    stacks = open(os.path.join(workdir, f"stack-{rank}.txt"), "w")
+    stacks = open(files["stack"], "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    with open(os.path.join(workdir, f"status-{rank}"), "r+b") as f:
+    with open(files["status"], "r+b") as f:
         board_buffer = mmap.mmap(f.fileno(), 0)
 
     import torch
@@ -150,7 +159,7 @@ def main() -> None:
     backend = env["DISTLAB_BACKEND"]
     # the rendezvous: a file in the pool's own directory (ranks share one host), so no
     # port is picked and parallel launches cannot collide
-    store = dist.FileStore(os.path.join(workdir, "store"), world_size)
+    store = dist.FileStore(files["store"], world_size)
     device = None
     if backend == "nccl":
         device = torch.device("cuda", int(env["LOCAL_RANK"]))
