@@ -18,11 +18,10 @@ from distlab.grading import edition as editions
 ROOT = Path(__file__).resolve().parents[1]
 THROUGH = (-1, 0, 4, 9)  # the editions the tests check: through none, 00, 04 and 09
 # Labs whose cells after an exercise still run the library's own answer to it, so they do
-# not run in the edition before them yet; nbval runs them in the full kit. Lab 05's
-# proofs train with the library's ZeRO (built on FlatParams and the padded collectives,
-# lab 05's answers); lab 09's sections 4-6 with its trainer (distributed_train_step's
-# answer). The list only shrinks (issue 42).
-FULL_KIT_ONLY = {"05_zero", "09_capstone"}
+# not run in the edition before them yet; nbval runs them in the full kit: lab 09's
+# sections 4-6 train with its trainer (distributed_train_step's answer). The list only
+# shrinks (issue 42).
+FULL_KIT_ONLY = {"09_capstone"}
 _BUILT: dict[int, Path] = {}
 _HOME = Path(tempfile.mkdtemp(prefix="distlab-editions-"))
 atexit.register(shutil.rmtree, _HOME, True)

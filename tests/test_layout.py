@@ -223,3 +223,33 @@ def test_answers_live_only_where_the_manifest_says():
         tree = ast.parse(Path(spec.origin).read_text())
         defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         assert not defined & exercises, f"{module} defines {defined & exercises}"
+
+
+def _later_answers_reached(graph, lab_of: dict[str, str]) -> list[str]:
+    """"A (lab a) reaches B (lab b)" for every answer module A whose imports, followed
+    through the library, reach an answer module B of a later lab b > a."""
+    found = []
+    for start, lab in sorted(lab_of.items()):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+                    if lab_of.get(nxt, "") > lab:
+                        found.append(f"{start} ({lab}) reaches {nxt} ({lab_of[nxt]})")
+    return found
+
+
+def test_no_answer_needs_a_later_labs_answer():
+    """A lab's answers are released to students after its deadline and used by the labs
+    after it (docs/design.md, "The student edition"): none of them may import, at any
+    depth, the answer of a later lab, which is still absent from those editions."""
+    from distlab.grading import edition, labs
+
+    lab_of = edition.withheld(-1, labs.exercises())
+    assert not _later_answers_reached(_graph(), lab_of)
+    # and the check finds one planted
+    planted = {**_graph(), "distlab.zero.fsdp": {"distlab.mesh.grid"}}
+    assert _later_answers_reached(planted, lab_of) == [
+        "distlab.zero.fsdp (05_zero) reaches distlab.mesh.grid (09_capstone)"]

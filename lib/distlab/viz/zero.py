@@ -39,13 +39,16 @@ def _done(fig):
 
 
 def plot_rank_bytes(held: dict[str, list[dict]], formula: dict[str, float] | None = None,
-                    title: str = "", scale: float = 1e3, unit: str = "kB"):
+                    title: str = "", scale: float = 1e3, unit: str = "kB",
+                    formula_label: str = "the paper's formula"):
     """Stacked bars of the bytes each rank holds, grouped by strategy: ``held`` maps a
-    strategy to one dict per rank (keys of :data:`CATEGORIES`); ``formula`` (optional)
-    maps a strategy to a predicted bytes-per-rank, drawn as a black line over its bars."""
+    strategy to one dict per rank (keys of :data:`CATEGORIES`; a category no rank holds
+    is left out of the key); ``formula`` (optional) maps a strategy to a predicted
+    bytes-per-rank, drawn as a black line over its bars and keyed ``formula_label``."""
     import matplotlib.pyplot as plt
 
     names = list(held)
+    shown = [c for c in CATEGORIES if any(r.get(c, 0) for ranks in held.values() for r in ranks)]
     width = 0.8 / max(len(ranks) for ranks in held.values())
     fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(names)), 4.2))
     for g, name in enumerate(names):
@@ -53,7 +56,7 @@ def plot_rank_bytes(held: dict[str, list[dict]], formula: dict[str, float] | Non
         for r, rank_bytes in enumerate(ranks):
             x = g + (r - (len(ranks) - 1) / 2) * width
             bottom = 0.0
-            for cat in CATEGORIES:
+            for cat in shown:
                 value = rank_bytes.get(cat, 0) / scale
                 ax.bar(x, value, width * 0.9, bottom=bottom, color=COLORS[cat],
                        label=LABELS[cat] if (g, r) == (0, 0) else None)
@@ -62,7 +65,7 @@ def plot_rank_bytes(held: dict[str, list[dict]], formula: dict[str, float] | Non
         if formula and name in formula:
             half = len(ranks) * width / 2
             ax.hlines(formula[name] / scale, g - half, g + half, color="k", lw=1.5,
-                      label="the paper's formula" if g == 0 else None)
+                      label=formula_label if g == 0 else None)
     ax.set_xticks(range(len(names)), [textwrap.fill(n, 16, break_long_words=False) for n in names], fontsize=9)
     ax.set_ylabel(f"bytes per rank ({unit})")
     ax.set_title(title or "what each rank holds")

@@ -22,8 +22,8 @@ Modules, one concept each:
 
 :mod:`distlab.zero.memory` accounts the bytes each rank holds. Lab 05's answers are
 modules here: :mod:`~distlab.zero.formula` (bytes per rank), :mod:`~distlab.zero.step`
-(:func:`zero2_step`, :func:`adamw_`), :mod:`~distlab.zero.flat` and
-:mod:`~distlab.zero.fsdp`; lab 09's :mod:`~distlab.zero.grads`. Reading them before your
+(:func:`zero2_step`, :func:`adamw_`), :mod:`~distlab.zero.flat`, :mod:`~distlab.zero.grads`
+and :mod:`~distlab.zero.fsdp`. Reading them before your
 work is graded defeats the exercise.
 """
 from distlab.shards import shard_range

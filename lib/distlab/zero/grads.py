@@ -1,7 +1,7 @@
-"""Lab 09's answer among ZeRO's pieces: a flat unit's gradients reduced to this rank's
-shard (:func:`reduce_grads`), what a composed train step does after backward. It holds
-only that answer: while lab 09 is graded it is absent from the graded ranks
-(:mod:`distlab.grading.answers`). The ZeRO-3 wrapper and the sharded optimizer use it.
+"""A flat unit's gradients reduced to this rank's shard (:func:`reduce_grads`), the step
+the ZeRO-3 wrapper and the sharded optimizer take after backward. Part of lab 05's
+answer ``ZeRO3Unit`` (:mod:`distlab.grading.answers`): it is released with lab 05's
+answers, so that their ZeRO runs in every later lab.
 """
 from __future__ import annotations
 

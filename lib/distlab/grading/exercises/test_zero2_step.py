@@ -28,7 +28,8 @@ HINTS = {"test_the_parameters_follow_adamw_on_the_mean_gradient": 1,
          "test_one_reduce_scatter_and_one_all_gather_per_step": 3,
          "test_the_remainder_is_updated": 2,
          "test_every_rank_holds_every_updated_shard": 2,
-         "test_a_group_steps_between_its_own_ranks": 3}
+         "test_a_group_steps_between_its_own_ranks": 3,
+         "test_float64_buffers_are_stepped_in_float64": 2}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 NUMEL, STEPS = 1001, 3
@@ -37,43 +38,44 @@ RS_OPS = ("reduce_scatter_tensor", "reduce_scatter")
 AG_OPS = ("all_gather_into_tensor", "all_gather")
 
 
-def start_params():
-    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+def start_params(dtype=torch.float32):
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(0), dtype=dtype)
 
 
-def grads_of(step, rank):
-    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank + 1))
+def grads_of(step, rank, dtype=torch.float32):
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(1000 * step + rank + 1),
+                       dtype=dtype)
 
 
 def plain(state):
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 
-def steps(zero2_step, group_ranks=None):
+def steps(zero2_step, group_ranks=None, dtype=torch.float32):
     """Three steps on this rank; with ``group_ranks``, over that subgroup (its members
     use their index in it as their rank)."""
     rank = dist.get_rank()
     group = dist.new_group(group_ranks) if group_ranks else None
     me = group_ranks.index(rank) if group_ranks and rank in group_ranks else rank
-    params, state, out = start_params(), {}, []
+    params, state, out = start_params(dtype), {}, []
     for step in range(STEPS):
-        grads = grads_of(step, me)
+        grads = grads_of(step, me, dtype)
         with CommLog() as log:
             result = zero2_step(params, grads, state, group, **ADAMW)
         out.append({"params": params.clone(), "state": plain(state), "log": log.records(),
                     "returned": result is None, "grads_untouched": torch.equal(
-                        grads, grads_of(step, me))})
+                        grads, grads_of(step, me, dtype))})
     return out
 
 
 _runs = {}
 
 
-def run(student, world, group_ranks=None):
-    key = (world, tuple(group_ranks or ()))
+def run(student, world, group_ranks=None, dtype=torch.float32):
+    key = (world, tuple(group_ranks or ()), dtype)
     if key not in _runs:
         try:
-            _runs[key] = launch.run(steps, world, student.zero2_step, group_ranks,
+            _runs[key] = launch.run(steps, world, student.zero2_step, group_ranks, dtype,
                                     backend="gloo", timeout=60)
         except launch.LaunchError as e:
             _runs[key] = e
@@ -82,14 +84,15 @@ def run(student, world, group_ranks=None):
     return _runs[key]
 
 
-def reference(world, grad_scale=1.0):
+def reference(world, grad_scale=1.0, dtype=torch.float32):
     """torch.optim.AdamW on the mean (times ``grad_scale``) of the ranks' gradients:
     per step the parameters and the whole moments."""
-    p = torch.nn.Parameter(start_params())
+    p = torch.nn.Parameter(start_params(dtype))
     opt = torch.optim.AdamW([p], **ADAMW)
     out = []
     for step in range(STEPS):
-        p.grad = grad_scale * torch.stack([grads_of(step, r) for r in range(world)]).mean(0)
+        p.grad = grad_scale * torch.stack([grads_of(step, r, dtype)
+                                           for r in range(world)]).mean(0)
         opt.step()
         s = opt.state[p]
         out.append({"params": p.detach().clone(), "exp_avg": s["exp_avg"].clone(),
@@ -246,3 +249,18 @@ def test_a_group_steps_between_its_own_ranks(student, world):
                     f"return at once when dist.get_rank(group) is -1")
                 assert got["returned"] and got["grads_untouched"], (
                     f"{where}: a rank outside the group must return None and leave its inputs")
+
+
+def test_float64_buffers_are_stepped_in_float64(student):
+    """The contract's buffers are float32 or float64 (lab 05's proof trains in float64):
+    every buffer the step makes follows the inputs' dtype, and the result is AdamW's in
+    float64, to float64's rounding, not float32's."""
+    ref = reference(3, dtype=torch.float64)
+    for rank, out in enumerate(run(student, 3, dtype=torch.float64)):
+        for step, (got, want) in enumerate(zip(out, ref)):
+            where = f"rank {rank} of 3, float64 buffers, step {step}"
+            assert got["params"].dtype == torch.float64, (
+                f"{where}: the parameters became {got['params'].dtype}; build every buffer "
+                f"in the inputs' dtype (new_zeros, new_empty, zeros_like)")
+            expect_close(got["params"], want["params"], f"{where}: the parameters against "
+                         f"torch.optim.AdamW in float64", rtol=1e-12, atol=1e-12)
