@@ -205,3 +205,43 @@ def test_what_the_fork_server_may_preload_has_no_effect_at_import(tmp_path):
     assert after == torch_alone, f"threads: {torch_alone} with torch, {after} after {names}"
     assert cuda == "False", f"importing {names} initialised CUDA"
     assert not os.listdir(tmp_path), f"importing {names} wrote {os.listdir(tmp_path)}"
+
+
+_PID_PROBE = '''def all_reduce_mean(tensor, group=None):
+    import os
+    raise RuntimeError(f"PROBE pid={os.getpid()} uid={os.getuid()}")
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("setpriv"),
+                    reason="needs root, to become another user, and setpriv")
+def test_an_unprivileged_graders_ranks_are_confined(tmp_path):
+    """A grader that is not root confines its ranks in a user namespace of their own:
+    each is PID 1 of its namespace. (The fork server is non-dumpable; a rank must write
+    its user namespace's ID maps all the same, and the probe that decides whether the
+    sandbox can be made runs in the same state.)"""
+    import subprocess
+    from pathlib import Path
+
+    import nbformat
+
+    from distlab.grading import notebook
+
+    root = Path(__file__).resolve().parents[1]
+    nb = nbformat.read(root / "solutions" / "00_setup.ipynb", as_version=4)
+    for cell in nb.cells:
+        if notebook.grade_id(cell) == "all_reduce_mean":
+            cell.source = _PID_PROBE
+    tmp_path.chmod(0o755)
+    path = tmp_path / "00_setup.ipynb"
+    nbformat.write(nb, path)
+    path.chmod(0o644)
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+         "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search",  # reach the kit
+         sys.executable, "-m", "distlab.grading", str(path)],
+        capture_output=True, text=True, timeout=300, cwd=root,
+        env=dict(os.environ, HOME=str(tmp_path)))
+    found = [line for line in out.stdout.splitlines() if "PROBE pid=" in line]
+    assert found, out.stdout[-3000:] + out.stderr[-3000:]
+    assert all("PROBE pid=1 uid=65534" in line for line in found), found

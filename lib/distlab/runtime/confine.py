@@ -90,6 +90,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
+PR_SET_DUMPABLE = 4
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, SECCOMP_MODE_FILTER = 47, 4, 2
 
 # system calls a rank has no use for, by architecture (name → number)
@@ -384,9 +385,16 @@ def enter(sp: dict, run_as: tuple[int, int] | None, writable: list[str]) -> None
         flags |= CLONE_NEWUSER
     _check(_libc.unshare(flags), "unshare")
     if flags & CLONE_NEWUSER:
+        # The fork server is non-dumpable, and so is this fork of it: its /proc/self files
+        # then belong to root, and the maps cannot be written. Dumpable only while they
+        # are: a process of the grader's user could trace this one in that moment, but no
+        # student code runs yet, and the ranks already running are in namespaces of
+        # their own, under a filter that refuses ptrace.
+        _prctl(PR_SET_DUMPABLE, 1)
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")
+        _prctl(PR_SET_DUMPABLE, 0)
     alive_r, alive_w = os.pipe()
     pid = os.fork()
     if pid:
