@@ -62,6 +62,24 @@ def test_a_runaway_answer_is_stopped_by_the_exercise_time_limit(tmp_path):
     assert r.max_points >= 5, "a run that never reported keeps its points in the maximum"
 
 
+def test_the_notebooks_time_limit_covers_reading_and_parsing_it(tmp_path, monkeypatch):
+    """A notebook whose reading takes longer than its whole time limit runs nothing: every
+    exercise counts as timed out (the clock starts before the notebook is read)."""
+    path = _lab00_with(tmp_path, "    return tensor\n")
+    read, runs = notebook.read_submission, []
+
+    def slow_read(p):
+        time.sleep(1.5)
+        return read(p)
+
+    monkeypatch.setattr(notebook, "read_submission", slow_read)
+    monkeypatch.setattr(runner, "_run_reported", lambda *a, **k: runs.append(a) or (0, "", [], None))
+    (r,) = runner.grade(path, total=1.0)
+    assert runs == [], "a contained run started after the notebook's time was spent reading it"
+    assert (r.verdict, r.points) == ("timeout", 0) and r.max_points >= 5, r
+    assert "used its 1 s" in r.message, r.message
+
+
 def test_a_cell_that_does_not_compile_is_its_own_verdict_beside_the_others(tmp_path):
     """Lab 07 with a syntax error (under a magic line), a wrong answer and a right one."""
     broken = ("%load_ext autoreload\ndef gpipe_schedule(num_stages, num_microbatches):\n"

@@ -255,7 +255,8 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     as ignored; a notebook whose name is no lab's gets one "error" row and nothing else.
     ``first_failure``: stop at the first failing test (the message a student reads first;
     the tests after it count as not run), as the kit's tests of wrong answers grade.
-    ``total``: seconds for the whole notebook; the exercises it leaves count as timed out.
+    ``total``: seconds for the whole notebook, from the moment it is read (reading and
+    parsing count); the exercises it leaves count as timed out.
     ``hidden``: an instructor's tests (:func:`distlab.grading.hidden.hidden_tests`), run with the kit's (from its
     copy of them) and counted as theirs.
     The notebook is read by :func:`distlab.grading.notebook.read_submission` (raises
@@ -263,6 +264,7 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     from distlab.grading import hints, labs, notebook, sandbox
     from distlab.runtime import privileges
 
+    deadline = time.monotonic() + total  # reading and parsing the notebook count too
     if hidden:
         tests_dir = hidden.tests_dir
     extra = hidden.files if hidden else {}
@@ -292,7 +294,6 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
     overran: set[str] = set()
     seconds: dict[str, float] = {}
     to_run = [name for name in wanted if name not in missing | counted_only]
-    deadline = time.monotonic() + total
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         os.chmod(tmp, 0o755)  # readable by the user the student's code runs as
         module = Path(tmp) / f"student_{path.stem}.py"
@@ -375,6 +376,9 @@ def grade(path: Path, tests_dir: Path = TESTS, timeout: float = EXERCISE_TIMEOUT
         elif name in untouched:
             results.append(Result(name, 0, runnable, "not attempted",
                                   "the cell still raises NotImplementedError", len(mine) - runnable))
+        elif not mine and out_of_time and name not in runs:  # no run began: count them apart
+            cpu, gpu = labs.test_counts([name], tests_dir)[name]
+            results.append(Result(name, 0, cpu, "timeout", broke, gpu))
         elif not mine:
             results.append(Result(name, 0, 0, "error", "its tests could not be collected: " +
                                   " | ".join(out.strip().splitlines()[-3:])))
