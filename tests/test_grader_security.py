@@ -37,6 +37,7 @@ import pytest
 from pid_guard import SITECUSTOMIZE as _GUARD
 
 from distlab.grading import answers, labs, notebook, output, runner, sandbox, student
+from distlab.runtime import cgroup
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only a root grader changes user")
@@ -688,6 +689,52 @@ def test_a_rank_past_its_memory_is_reported_out_of_memory(tmp_path):
     r = results["all_reduce_mean"]
     assert (r["points"], r["max_points"], r["verdict"]) == (0, 1, "out of memory"), r["message"]
     assert "each graded rank may allocate 1024 MiB" in r["message"], r["message"]
+
+
+_FORKS = '''
+def all_reduce_mean(tensor, group=None):
+    dist.all_reduce(tensor, group=group)
+    return tensor.div_(dist.get_world_size(group))
+
+
+def held(children, mib):
+    """Fork `children` that each take `mib` MiB and keep it: how many still hold it."""
+    import os, signal, time
+    pids = []
+    for _ in range(children):
+        pid = os.fork()
+        if pid == 0:
+            # each child maps all its parent does and 200 MiB more: the kernel's first
+            # choice when the tree runs out of memory
+            block = bytearray(mib << 20)
+            block[::4096] = b"x" * len(block[::4096])
+            time.sleep(60)
+            os._exit(0)
+        pids.append(pid)
+    time.sleep(5)
+    alive = [pid for pid in pids if os.waitpid(pid, os.WNOHANG) == (0, 0)]
+    for pid in alive:
+        if pid > 1:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return len(alive)
+'''
+
+
+@pytest.mark.skipif(not cgroup.make_possible(), reason="no cgroup v1 memory and pids to write here")
+def test_a_ranks_children_share_its_memory_cap(tmp_path):
+    """--memory 256: a rank whose 8 children take 200 MiB each holds, together, no more
+    than its cgroup allows (the cap plus cgroup.SLACK_MB): at most 3 of them live, where
+    per-process limits let all 8 hold theirs (1.6 GiB)."""
+    most = (256 + cgroup.SLACK_MB) // 200
+    tests = _tests(tmp_path, {"all_reduce_mean": "NOTEBOOK = '00_setup'\n\n\n"
+                                                 "def test_forks(student):\n"
+                                                 f"    assert student.held(8, 200) <= {most}\n"},
+                   conftest=True)
+    results, _ = _grade(tmp_path, _notebook(tmp_path, "00_setup", {"all_reduce_mean": _FORKS}),
+                        tests, memory=256)
+    r = results["all_reduce_mean"]
+    assert (r["points"], r["max_points"]) == (1, 1), r["message"]
 
 
 # ---------------------------------------------------------- 5. the terminal

@@ -342,6 +342,24 @@ def _exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
+_TREES: dict = {}  # a graded rank's PID → its cgroup (distlab.runtime.cgroup), until reaped
+_made = itertools.count()
+
+
+def _rank_cgroup(env: dict):
+    """A cgroup for a graded rank's whole tree (its spec's processes, its memory cap plus
+    :data:`distlab.runtime.cgroup.SLACK_MB`), or None: not a graded rank, or none can be
+    made here."""
+    from distlab.runtime import cgroup, confine
+
+    sandbox = confine.from_env(env)
+    memory = env.get("DISTLAB_GRADE_MEMORY_MB")
+    if sandbox is None or not memory:
+        return None
+    return cgroup.make(f"distlab-rank-{os.getpid()}-{next(_made)}",
+                       (int(float(memory)) + cgroup.SLACK_MB) << 20, int(sandbox["processes"]))
+
+
 def _serve(sock, children: set[int]) -> bool:
     """Answer one request; False when the launcher is gone."""
     try:
@@ -357,10 +375,13 @@ def _serve(sock, children: set[int]) -> bool:
     reply_fds: list[int] = []
     if message[0] == "spawn":
         server = os.getpid()
+        tree = _rank_cgroup(message[1])
         pid = os.fork()
         if pid == 0:
             try:
                 sock.close()
+                if tree is not None:  # before anything of the rank's runs
+                    tree.join()
                 _child(message[1], *fds, server)
             except BaseException:  # a rank that fails to start says why on its stderr
                 import traceback
@@ -372,6 +393,8 @@ def _serve(sock, children: set[int]) -> bool:
         for fd in fds:
             os.close(fd)
         children.add(pid)
+        if tree is not None:
+            _TREES[pid] = tree
         reply_fds = [os.pidfd_open(pid)]
         reply = ("pid", pid)
     elif message[0] == "killpg":
@@ -391,6 +414,8 @@ def _serve(sock, children: set[int]) -> bool:
                 code = _exit_code(os.waitpid(pid, 0)[1])
             except ChildProcessError:
                 pass
+            if pid in _TREES:
+                _TREES.pop(pid).remove()
         reply = ("status", code)
     else:
         reply = ("error", f"unknown request {message[0]!r}")
