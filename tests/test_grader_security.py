@@ -395,7 +395,8 @@ def probe(paths, folder):
     calls = _CALLS[platform.machine()]
     found["calls"] = {}
     for name in ("open_by_handle_at", "name_to_handle_at", "ptrace", "process_vm_readv",
-                 "pidfd_getfd", "unshare", "mount", "setns", "bpf", "io_uring_setup"):
+                 "pidfd_getfd", "unshare", "mount", "setns", "bpf", "io_uring_setup",
+                 "syslog", "uselib"):
         ctypes.set_errno(0)
         arg = 0x10000000 if name == "unshare" else 0  # CLONE_NEWUSER
         code = libc.syscall(calls[name], ctypes.c_long(arg), ctypes.c_long(0),

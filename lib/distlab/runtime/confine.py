@@ -30,7 +30,7 @@ Python, seconds of importing torch per rank): :func:`enter`, given a :func:`spec
    and no new privileges.
 4. **seccomp** (x86-64, aarch64): :data:`DENIED` system calls fail with EPERM — opening
    files by handle, tracing or reading other processes' memory, taking their
-   descriptors, mounting, making namespaces, loading BPF, io_uring, memfd, modify_ldt
+   descriptors, mounting, making namespaces, loading BPF, io_uring, memfd, the kernel log (syslog), modify_ldt and uselib
    (x86-64); clone3 answers ENOSYS so that libc falls back to clone, whose namespace
    flags are refused. ``socket`` and ``socketpair`` of any family but AF_UNIX, AF_INET
    and AF_INET6 fail with EAFNOSUPPORT (AF_VSOCK, AF_PACKET, AF_NETLINK's many
@@ -103,8 +103,8 @@ _CALLS = {
                    memfd_secret=447, io_uring_setup=425, io_uring_enter=426,
                    io_uring_register=427, open_tree=428, move_mount=429, fsopen=430,
                    fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-                   modify_ldt=154, clone=56, clone3=435, personality=135, socket=41,
-                   socketpair=53),
+                   modify_ldt=154, syslog=103, uselib=134, clone=56, clone3=435,
+                   personality=135, socket=41, socketpair=53),
     "aarch64": dict(ptrace=117, process_vm_readv=270, process_vm_writev=271, kcmp=272,
                     name_to_handle_at=264, open_by_handle_at=265, pidfd_getfd=438,
                     process_madvise=440, mount=40, umount2=39, pivot_root=41, chroot=51,
@@ -113,12 +113,14 @@ _CALLS = {
                     memfd_secret=447, io_uring_setup=425, io_uring_enter=426,
                     io_uring_register=427, open_tree=428, move_mount=429, fsopen=430,
                     fsconfig=431, fsmount=432, fspick=433, mount_setattr=442,
-                    clone=220, clone3=435, personality=92, socket=198, socketpair=199),
+                    syslog=116, clone=220, clone3=435, personality=92, socket=198,
+                    socketpair=199),
 }
 _AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # the calls the filter looks into (their arguments), rather than refusing them outright
 _SCREENED = ("clone", "clone3", "personality", "socket", "socketpair")
-DENIED = tuple(n for n in _CALLS["x86_64"] if n not in _SCREENED)  # modify_ldt: x86-64 only
+# modify_ldt and uselib: x86-64 only
+DENIED = tuple(n for n in _CALLS["x86_64"] if n not in _SCREENED)
 # socket families a rank may open (AF_UNIX, AF_INET, AF_INET6), and AF_NETLINK with
 # NETLINK_ROUTE alone: glibc's getifaddrs() reads the interfaces through one, and gloo
 # (and NCCL) call it to find the interface they were told to use
