@@ -30,8 +30,8 @@ Python, seconds of importing torch per rank): :func:`enter`, given a :func:`spec
    and no new privileges.
 4. **seccomp** (x86-64, aarch64): :data:`DENIED` system calls fail with EPERM — opening
    files by handle, tracing or reading other processes' memory, taking their
-   descriptors, mounting, making namespaces, loading BPF, io_uring, memfd, the kernel log (syslog), modify_ldt and uselib
-   (x86-64); clone3 answers ENOSYS so that libc falls back to clone, whose namespace
+   descriptors, mounting, making namespaces, loading BPF, io_uring, memfd, the kernel
+   log (syslog), modify_ldt and uselib (x86-64); clone3 answers ENOSYS so that libc falls back to clone, whose namespace
    flags are refused. ``socket`` and ``socketpair`` of any family but AF_UNIX, AF_INET
    and AF_INET6 fail with EAFNOSUPPORT (AF_VSOCK, AF_PACKET, AF_NETLINK's many
    protocols...), with one exception: ``socket(AF_NETLINK, *, NETLINK_ROUTE)``, through
