@@ -31,9 +31,9 @@ RING = {
     # default group, every test of which it passes
     "ignores_the_group": [
         ("    world = dist.get_world_size(group) if dist.is_initialized() else 1\n"
-         "    rank = dist.get_rank(group) if dist.is_initialized() else 0\n    if layout",
+         "    rank = dist.get_rank(group) if dist.is_initialized() else 0\n",
          "    world = dist.get_world_size() if dist.is_initialized() else 1\n"
-         "    rank = dist.get_rank() if dist.is_initialized() else 0\n    if layout"),
+         "    rank = dist.get_rank() if dist.is_initialized() else 0\n"),
         ("        world = dist.get_world_size(group) if dist.is_initialized() else 1\n"
          "        rank = dist.get_rank(group) if dist.is_initialized() else 0\n        acc = torch",
          "        world = dist.get_world_size() if dist.is_initialized() else 1\n"
