@@ -699,23 +699,41 @@ def all_reduce_mean(tensor, group=None):
 
 
 def held(children, mib):
-    """Fork `children` that each take `mib` MiB and keep it: how many still hold it."""
-    import os, signal, time
-    pids = []
+    """Fork `children` that each take `mib` MiB and keep it: how many hold it at once,
+    counted once every child has either said it holds its block or died."""
+    import os, select, signal, time
+    said = {}
     for _ in range(children):
+        r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            # each child maps all its parent does and 200 MiB more: the kernel's first
+            os.close(r)
+            # each child maps all its parent does and `mib` more: the kernel's first
             # choice when the tree runs out of memory
             block = bytearray(mib << 20)
             block[::4096] = b"x" * len(block[::4096])
-            time.sleep(60)
+            os.write(w, b"1")
+            time.sleep(300)
             os._exit(0)
-        pids.append(pid)
-    time.sleep(5)
-    alive = [pid for pid in pids if os.waitpid(pid, os.WNOHANG) == (0, 0)]
-    for pid in alive:
-        if pid > 1:
+        os.close(w)
+        said[pid] = r
+    holding, dead = set(), set()
+    deadline = time.monotonic() + 120
+    while len(holding | dead) < children and time.monotonic() < deadline:
+        for pid, r in said.items():
+            if pid not in holding | dead and select.select([r], [], [], 0)[0]:
+                (holding if os.read(r, 1) else dead).add(pid)
+        for pid in said:
+            if pid not in dead and os.waitpid(pid, os.WNOHANG) != (0, 0):
+                dead.add(pid)
+        time.sleep(0.05)
+    time.sleep(1)  # an allocation that just finished may still cost another its life
+    for pid in said:
+        if pid not in dead and os.waitpid(pid, os.WNOHANG) != (0, 0):
+            dead.add(pid)  # reaped: never signalled below
+    alive = holding - dead
+    for pid in said:
+        if pid > 1 and pid not in dead:  # ours, unreaped
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
     return len(alive)

@@ -58,6 +58,7 @@ def make(name: str, memory_bytes: int, processes: int) -> RankCgroup | None:
     tree's memory, page cache and tmpfs included) and ``processes`` tasks; None where
     they cannot be made here."""
     made: list[str] = []
+    _sweep()
     try:
         for controller, (knob, value) in zip(CONTROLLERS, (("memory.limit_in_bytes", memory_bytes),
                                                             ("pids.max", processes))):
@@ -73,6 +74,29 @@ def make(name: str, memory_bytes: int, processes: int) -> RankCgroup | None:
         RankCgroup(made).remove()
         return None
     return RankCgroup(made)
+
+
+STALE_S = 3600  # an empty rank cgroup this old was left by a run that was killed
+
+
+def _sweep() -> None:
+    """Remove the empty rank cgroups that killed runs left (a run reaps its own)."""
+    import time
+
+    for controller in CONTROLLERS:
+        own = _own(controller)
+        folder = os.path.join(V1, controller, (own or "").lstrip("/"))
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith("distlab-rank-")]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                if time.time() - os.stat(path).st_mtime > STALE_S:
+                    os.rmdir(path)  # refused while a process is in it
+            except OSError:
+                pass
 
 
 def make_possible() -> bool:

@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 import warnings
 
 from distlab.runtime import absent, plain
@@ -343,7 +344,6 @@ def _exit_code(status: int) -> int:
 
 
 _TREES: dict = {}  # a graded rank's PID → its cgroup (distlab.runtime.cgroup), until reaped
-_made = itertools.count()
 
 
 def _rank_cgroup(env: dict):
@@ -356,7 +356,8 @@ def _rank_cgroup(env: dict):
     memory = env.get("DISTLAB_GRADE_MEMORY_MB")
     if sandbox is None or not memory:
         return None
-    return cgroup.make(f"distlab-rank-{os.getpid()}-{next(_made)}",
+    # a name of its own: PIDs repeat from one PID namespace to the next
+    return cgroup.make(f"distlab-rank-{uuid.uuid4().hex}",
                        (int(float(memory)) + cgroup.SLACK_MB) << 20, int(sandbox["processes"]))
 
 
