@@ -439,3 +439,15 @@ def test_unreadable_notebooks_are_named_and_the_others_still_graded(tmp_path):
     data = json.loads(report.read_text())
     assert data["labs/00_setup.ipynb"]["all_reduce_mean"]["verdict"] == "not attempted"
     assert "error" in data[str(broken)]
+
+
+def test_a_report_says_when_the_graded_code_ran_unconfined(monkeypatch):
+    """Where the sandbox cannot be made here, the report says why and that its guarantees
+    did not hold; where it was made, the report says nothing of it."""
+    result = runner.Result("all_reduce_mean", 6, 6, "pass", "")
+    monkeypatch.setattr(output, "sandbox_missing", lambda: "unshare: Operation not permitted")
+    lines = output.table([result]).splitlines()
+    assert lines[-1].startswith("not confined: unshare: Operation not permitted; the graded "
+                                "code ran without the sandbox"), lines
+    monkeypatch.setattr(output, "sandbox_missing", lambda: "")
+    assert not any(line.startswith("not confined") for line in output.table([result]).splitlines())
