@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab.grading import cli, notebook, output, runner
+from distlab.grading import cli, notebook, output, runner, sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -445,9 +445,9 @@ def test_a_report_says_when_the_graded_code_ran_unconfined(monkeypatch):
     """Where the sandbox cannot be made here, the report says why and that its guarantees
     did not hold; where it was made, the report says nothing of it."""
     result = runner.Result("all_reduce_mean", 6, 6, "pass", "")
-    monkeypatch.setattr(output, "sandbox_missing", lambda: "unshare: Operation not permitted")
+    monkeypatch.setattr(sandbox, "confinement", lambda: "unshare: Operation not permitted")
     lines = output.table([result]).splitlines()
     assert lines[-1].startswith("not confined: unshare: Operation not permitted; the graded "
                                 "code ran without the sandbox"), lines
-    monkeypatch.setattr(output, "sandbox_missing", lambda: "")
+    monkeypatch.setattr(sandbox, "confinement", lambda: "")
     assert not any(line.startswith("not confined") for line in output.table([result]).splitlines())

@@ -94,14 +94,6 @@ def traffic_evidence() -> str:
     return "wire: bytes counted on a loopback of the run's own, outside the ranks"
 
 
-def sandbox_missing() -> str:
-    """Why this grader's ranks run without the sandbox ("" where they are confined):
-    a report says so, rather than grade unconfined in silence."""
-    from distlab.grading import sandbox
-
-    return sandbox.confinement()
-
-
 def table(results: list, title: str = "") -> str:
     """The report, every student-controlled string escaped (:func:`shown`): per exercise
     its points (how many rest on self-reported traffic), verdict, first failing check (a
@@ -124,7 +116,9 @@ def table(results: list, title: str = "") -> str:
             lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 20)
     total = sum(r.points for r in results), sum(r.max_points for r in results)
     lines.append(f"total: {total[0]}/{total[1]}")
-    unconfined = sandbox_missing()
+    from distlab.grading import sandbox
+
+    unconfined = sandbox.confinement()  # said, rather than grade unconfined in silence
     if unconfined:
         lines.append(f"not confined: {shown(unconfined)}; the graded code ran without the "
                      f"sandbox, so the guarantees README.md marks (sandbox) did not hold")

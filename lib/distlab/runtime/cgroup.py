@@ -15,6 +15,7 @@ still hold, and a rank's tree is capped per process only.
 from __future__ import annotations
 
 import os
+import time
 
 V1 = "/sys/fs/cgroup"
 CONTROLLERS = ("memory", "pids")
@@ -81,8 +82,6 @@ STALE_S = 3600  # an empty rank cgroup this old was left by a run that was kille
 
 def _sweep() -> None:
     """Remove the empty rank cgroups that killed runs left (a run reaps its own)."""
-    import time
-
     for controller in CONTROLLERS:
         own = _own(controller)
         folder = os.path.join(V1, controller, (own or "").lstrip("/"))
