@@ -17,11 +17,6 @@ from distlab.grading import edition as editions
 
 ROOT = Path(__file__).resolve().parents[1]
 THROUGH = (-1, 0, 4, 9)  # the editions the tests check: through none, 00, 04 and 09
-# Labs whose cells after an exercise still run the library's own answer to it, so they do
-# not run in the edition before them yet; nbval runs them in the full kit: lab 09's
-# sections 4-6 train with its trainer (distributed_train_step's answer). The list only
-# shrinks (issue 42).
-FULL_KIT_ONLY = {"09_capstone"}
 _BUILT: dict[int, Path] = {}
 _HOME = Path(tempfile.mkdtemp(prefix="distlab-editions-"))
 atexit.register(shutil.rmtree, _HOME, True)
@@ -38,7 +33,7 @@ def edition(through: int) -> Path:
 
 class EditionKernels:
     """Under nbval, ``solutions/NN_*.ipynb``'s kernel (and the ranks it launches) import
-    the library of the edition through lab NN-1 (but :data:`FULL_KIT_ONLY`): PYTHONPATH
+    the library of the edition through lab NN-1: PYTHONPATH
     names it while the kernel starts, in the setup of the notebook's first cell."""
 
     @pytest.hookimpl(hookwrapper=True)
@@ -46,7 +41,6 @@ class EditionKernels:
         notebook = item.parent
         path = Path(str(getattr(notebook, "path", "")))
         starting = (type(notebook).__name__ == "IPyNbFile" and path.parent.name == "solutions"
-                    and path.stem not in FULL_KIT_ONLY
                     and getattr(notebook, "kernel", None) is None)
         if not starting:
             yield

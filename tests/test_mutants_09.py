@@ -40,10 +40,17 @@ MUTANTS = {
                 p.grad = None""")],
     # the gradients reduce-scattered in the master dtype: twice the bytes under bf16
     "master_dtype_traffic": [(
-        "flat = torch.cat([p.grad.reshape(-1).to(bucket.dtype) for p in bucket.params])",
-        "flat = torch.cat([p.grad.reshape(-1).to(bucket.master_dtype) for p in bucket.params])"),
+        "flat = torch.cat([p.grad.reshape(-1).to(bucket.dtype) if p.grad is not None",
+        "flat = torch.cat([p.grad.reshape(-1).to(bucket.master_dtype) if p.grad is not None"),
+        ("else p.new_zeros(p.numel(), dtype=bucket.dtype)",
+         "else p.new_zeros(p.numel(), dtype=bucket.master_dtype)"),
         ("grad = work.wait().to(bucket.master_dtype) / loss_scale",
          "grad = work.wait() / loss_scale")],
+    # a parameter without a gradient read as if it had one (p.grad is None: a crash)
+    "no_grad_param": [("""            flat = torch.cat([p.grad.reshape(-1).to(bucket.dtype) if p.grad is not None
+                              else p.new_zeros(p.numel(), dtype=bucket.dtype)
+                              for p in bucket.params])""",
+                       """            flat = torch.cat([p.grad.reshape(-1).to(bucket.dtype) for p in bucket.params])""")],
     # the loss taken in the compute dtype (bf16 under autocast)
     "bf16_loss": [("wide = torch.promote_types(logits.dtype, torch.float32)",
                    "wide = logits.dtype")],
@@ -75,6 +82,8 @@ EXPECTED = {
                                "in both modes"]),
     "master_dtype_traffic": ("partial", ["test_one_reduce_scatter_and_one_all_gather_per_bucket",
                                          "bf16 autocast", "compute dtype", "not the master dtype"]),
+    "no_grad_param": ("partial", ["test_a_parameter_without_a_gradient_contributes_zeros",
+                                  "NoneType"]),
     "bf16_loss": ("partial", ["test_bf16_autocast_with_fp32_masters", "take the loss in fp32"]),
     "no_autocast": ("partial", ["test_bf16_autocast_with_fp32_masters", "autocast [None",
                                 "under torch.autocast"]),
@@ -99,7 +108,7 @@ def grid_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    assert_named(results(name), name, NAME, 9, *EXPECTED[name])
+    assert_named(results(name), name, NAME, 10, *EXPECTED[name])
 
 
 @pytest.mark.parametrize("name", list(GRID_MUTANTS))

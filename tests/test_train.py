@@ -75,14 +75,14 @@ def one_process(precision="fp64"):
 
 
 def run_layout(dp, tp, pp, precision="fp32", microbatches=None, log=False, scaler=None,
-               bucket_mb=BUCKET_MB):
+               bucket_mb=BUCKET_MB, overlap=True):
     """On each rank: STEPS steps; the losses, the full weights (rank 0) and, with
     ``log``, the CommLog records and hook trace of the last step."""
     from distlab.train import build
 
     mesh = Mesh(dp=dp, pp=pp, tp=tp)
     trainer = build(CFG, mesh, precision=precision, microbatches=microbatches, lr=LR,
-                    bucket_cap_mb=bucket_mb, loss_scaler=scaler)
+                    bucket_cap_mb=bucket_mb, loss_scaler=scaler, overlap=overlap)
     losses, records = [], None
     for step in range(STEPS):
         batch = trainer.local_batch(LANG, step, BATCH, SEQ)
@@ -159,6 +159,25 @@ def test_gradients_are_reduce_scattered_during_backward_and_gathered_after_the_s
         late = [b for b, (lt, _) in enumerate(buckets) if lt]
         assert len(late) == 1  # the tied embedding (stage 0) / head (stage 1)
         assert launches[late[0]] > backward_end
+
+
+def test_without_overlap_every_reduce_scatter_follows_backward_and_it_trains_alike():
+    """overlap=False (the trainer without lab 09's answer) at (2, 2, 2): the same
+    traffic, one reduce-scatter and one all-gather per bucket over DP, every
+    reduce-scatter issued after backward ended, and the losses and weights of one
+    process."""
+    results = launch.run(run_layout, 8, 2, 2, 2, "fp64", None, True, None, 0.001, False,
+                         backend="gloo", timeout=60)
+    assert_like_one_process(results, "fp64")
+    for rank, r in enumerate(results):
+        log = CommLog.from_records(r["records"], rank)
+        mine = [e for e in log.events if e.group_ranks == tuple(r["dp_ranks"])]
+        rs = [e for e in mine if e.op.startswith("reduce_scatter")]
+        ag = [e for e in mine if e.op.startswith("all_gather")]
+        assert len(rs) == len(ag) == len(r["buckets"]) >= 3, (rank, log.summary())
+        backward_end = next(t for kind, t, _ in r["trace"] if kind == "backward_end")
+        assert all(e.start > backward_end for e in rs), rank
+        assert not [kind for kind, _, _ in r["trace"] if kind == "grad"]
 
 
 def run_mixed(dp, tp, pp, precision, init_scale=None):

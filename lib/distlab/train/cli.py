@@ -6,7 +6,7 @@ import argparse
 import torch.distributed as dist
 
 from distlab.train.precision import PRECISIONS
-from distlab.train.trainer import train
+from distlab.train.compose import train
 
 
 def main(argv=None) -> int:
@@ -28,14 +28,16 @@ def main(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--bucket-mb", type=float, default=25, help="ZeRO-2 bucket size, MiB")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--overlap", default=True, action=argparse.BooleanOptionalAction,
+                    help="issue each bucket's reduce-scatter from backward (default), or after it")
     ap.add_argument("--backend", default="auto", choices=backend.BACKENDS)
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args(argv)
     world = args.dp * args.tp * args.pp
     results = launch.run(train, world, args.model, args.dp, args.tp, args.pp, args.steps,
                          args.batch_size, args.seq_len, args.vocab_size, args.precision,
-                         args.microbatches, args.lr, args.bucket_mb, args.seed,
-                         backend=args.backend, timeout=args.timeout, stream=True)
+                         args.microbatches, args.lr, args.bucket_mb, args.seed, True,
+                         args.overlap, backend=args.backend, timeout=args.timeout, stream=True)
     if not dist.is_initialized() or dist.get_rank() == 0:
         last = results[0][-1] if results[0] else None
         if last is not None:

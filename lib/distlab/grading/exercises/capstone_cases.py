@@ -30,15 +30,22 @@ ADAMW = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
 RS_OPS = ("reduce_scatter_tensor", "reduce_scatter")
 AG_OPS = ("all_gather_into_tensor", "all_gather")
 SCALE = 1024.0
+UNUSED = "unused"  # a run of its own (a crash there fails its test only): a model with a
+# parameter that no forward reads
 # the options of each run of a launch; the expected results are those of one process
 RUNS = {"fp64": dict(overlap=True), "no_overlap": dict(overlap=False),
         "scaled": dict(overlap=True, loss_scale=SCALE),
         "bf16": dict(overlap=True, autocast_dtype=torch.bfloat16)}
 
 
-def make_model(dtype=torch.float64):
+def make_model(dtype=torch.float64, unused=False):
+    """The GPT; with ``unused``, one more parameter (5 elements, in the first bucket
+    backward completes) that no forward reads, so it never gets a gradient."""
     torch.manual_seed(0)
-    return GPT(CFG).to(dtype)
+    model = GPT(CFG).to(dtype)
+    if unused:
+        model.register_parameter(UNUSED, torch.nn.Parameter(torch.linspace(-1, 1, 5, dtype=dtype)))
+    return model
 
 
 def plan(model) -> list[list[str]]:
@@ -77,7 +84,7 @@ def train(step_fn, runs, groups=None):
     out = {}
     for name, options in runs.items():
         bf16 = options.get("autocast_dtype") is torch.bfloat16
-        model = make_model(torch.float32 if bf16 else torch.float64)
+        model = make_model(torch.float32 if bf16 else torch.float64, unused=name == UNUSED)
         params = dict(model.named_parameters())
         buckets = [FlatParams([(n, params[n]) for n in names], group,
                               torch.bfloat16 if bf16 else None) for names in plan(model)]
@@ -157,11 +164,12 @@ def first_moments(state, buckets: int):
 
 
 @functools.cache
-def one_process(offsets=(0,), dtype=torch.float64, steps=STEPS):
+def one_process(offsets=(0,), dtype=torch.float64, steps=STEPS, unused=False):
     """torch.optim.AdamW on the whole batch of each step (the batches of ``offsets``,
     concatenated): per step the weights forward reads and the loss; the first step's
-    exp_avg by name; the final weights."""
-    model = make_model(dtype)
+    exp_avg by name; the final weights. With ``unused``, the model's unused parameter
+    is stepped with a zero gradient (torch skips a parameter whose grad is None)."""
+    model = make_model(dtype, unused)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
     seen, losses, first = [], [], None
     for step in range(steps):
@@ -169,6 +177,8 @@ def one_process(offsets=(0,), dtype=torch.float64, steps=STEPS):
         xs, ys = zip(*(batch_of(step, o) for o in offsets))
         loss = F.cross_entropy(model(torch.cat(xs)).flatten(0, 1), torch.cat(ys).flatten())
         loss.backward()
+        if unused:
+            getattr(model, UNUSED).grad = torch.zeros(5, dtype=dtype)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

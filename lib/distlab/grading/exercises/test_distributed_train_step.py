@@ -19,8 +19,8 @@ import sys
 import cloudpickle
 import torch
 
-from capstone_cases import (ADAMW, AG_OPS, RS_OPS, RUNS, SCALE, STEPS, bucket_shard, largest_gap,
-                            make_model, one_process, plan, tolerance, train)
+from capstone_cases import (ADAMW, AG_OPS, RS_OPS, RUNS, SCALE, STEPS, UNUSED, bucket_shard,
+                            largest_gap, make_model, one_process, plan, tolerance, train)
 from distlab import launch
 from distlab.comm import CommLog
 
@@ -38,29 +38,36 @@ HINTS = {"test_two_ranks_train_like_one_process": 1,
          "test_the_loss_scale_is_divided_out": 3,
          "test_bf16_autocast_with_fp32_masters": 3,
          "test_no_full_gradient_survives_a_step": 2,
-         "test_the_step_leaves_no_hook_behind": 2}
+         "test_the_step_leaves_no_hook_behind": 2,
+         "test_a_parameter_without_a_gradient_contributes_zeros": 3}
 TIMEOUT = 90
 GROUPS = [[0, 1], [2, 3]]
 _runs = {}
 
 
-def run(student, world):
-    if world not in _runs:
+# the launches: 2 ranks run RUNS; 2 ranks the model with an unused parameter; 4 ranks, fp64
+LAUNCHES = {"2": (2, RUNS), UNUSED: (2, {UNUSED: dict(overlap=True)}),
+            "4": (4, {"fp64": RUNS["fp64"]})}
+
+
+def run(student, world, launch_name=None):
+    name = launch_name or str(world)
+    if name not in _runs:
+        ranks, runs = LAUNCHES[name]
         try:
-            _runs[world] = launch.run(train, world, student.distributed_train_step,
-                                      RUNS if world == 2 else {"fp64": RUNS["fp64"]},
-                                      GROUPS if world == 4 else None, backend="gloo",
-                                      timeout=TIMEOUT)
+            _runs[name] = launch.run(train, ranks, student.distributed_train_step, runs,
+                                     GROUPS if ranks == 4 else None, backend="gloo",
+                                     timeout=TIMEOUT)
         except launch.LaunchError as e:
-            _runs[world] = e
-    if isinstance(_runs[world], launch.LaunchTimeout):
+            _runs[name] = e
+    if isinstance(_runs[name], launch.LaunchTimeout):
         raise AssertionError(f"distributed_train_step on {world} ranks did not finish in "
                              f"{TIMEOUT} s: a rank waits for a collective the others never "
                              f"issue (each bucket's reduce-scatter exactly once per step, on "
                              f"every rank, in the same order)")
-    if isinstance(_runs[world], Exception):
-        raise _runs[world]
-    return _runs[world]
+    if isinstance(_runs[name], Exception):
+        raise _runs[name]
+    return _runs[name]
 
 
 def check_forward_reads(out, ref, where):
@@ -299,3 +306,23 @@ def test_each_group_averages_over_its_own_ranks_only(student):
             assert not outside, (f"rank {rank} of 4, step {step}: a collective over ranks "
                                  f"{sorted(outside)}; every collective of the step belongs "
                                  f"to `group`, {GROUPS[g]}")
+
+
+def test_a_parameter_without_a_gradient_contributes_zeros(student):
+    """A model with one more parameter that no forward reads, in the first bucket that
+    backward completes (overlap=True): the step still reduces that bucket once per step,
+    with zeros for the parameter, and trains like one process stepping the parameter with
+    a zero gradient (AdamW's weight decay still moves it)."""
+    ref = one_process(unused=True)
+    model = make_model(unused=True)
+    buckets = len(plan(model))
+    for rank, out in enumerate(run(student, 2, UNUSED)):
+        got = out[UNUSED]
+        where = f"rank {rank} of 2, a parameter that gets no gradient, overlap=True"
+        for step, records in enumerate(got["logs"]):
+            count = CommLog.from_records(records).count(RS_OPS)
+            assert count == buckets, (
+                f"{where}, step {step}: {count} reduce-scatters for {buckets} buckets: a "
+                f"bucket whose parameter gets no gradient in this backward is still complete "
+                f"once backward returns; reduce it then, once, with zeros for that parameter")
+        check_like_one_process(got, ref, where)
