@@ -444,7 +444,7 @@ def test_widgets_of_labs_05_07_08_09_as_a_student_sees_them(lab, page):
     gpus = plan.locator(".widget-inline-hbox", has_text="GPUs").locator("input")
     redraws(table, lambda: (gpus.fill("8192"), gpus.press("Enter")), "the planner's GPUs")
     expect(table).to_contain_text("on 8,192 GPUs")
-    for switch in ("sequence parallelism", "FlashAttention", "recompute activations"):
+    for switch in ("recompute activations", "FlashAttention", "sequence parallelism"):
         box = plan.locator(".widget-checkbox", has_text=switch).locator("input")
         redraws(table, box.click, f"the planner's {switch!r} switch")
     shot(page, plan, "widgets.planner-after")
