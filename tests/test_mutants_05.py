@@ -1,5 +1,6 @@
 """The grader as teacher, lab 05: wrong answers a student would plausibly write to the core
-exercise ``ZeRO3Unit`` each fail with a message that names the mistake.
+exercise ``ZeRO3Unit`` (and to ``zero2_step``) each fail with a message that names the
+mistake.
 
 Each mutant is the solution's cell with one plausible change; each is graded as a student's
 notebook would be (``runner.grade(path, only=["ZeRO3Unit"], first_failure=True)``): one grade run per mutant
@@ -12,7 +13,7 @@ import sys
 
 import pytest
 
-from mutants import lazy_grades
+from mutants import assert_named, lazy_grades
 
 EXERCISE = "ZeRO3Unit"
 
@@ -65,6 +66,15 @@ VIEWS_FIRST = ((
     "                setattr(owner, attr, full[offset:offset + shape.numel()].view(shape))\n"
     "            gather()\n"),)
 
+# a frozen parameter taken into the unit (the statement: a ValueError at construction)
+FROZEN_TAKEN = ((
+    "        if not all(p.requires_grad for p in params):\n"
+    "            raise ValueError(\"ZeRO3Unit trains every parameter of its module; this module "
+    "has \"\n                             \"a frozen one (requires_grad=False)\")\n", ""),)
+# a tied weight flattened once per place it is registered
+TIED_TWICE = ((
+    "        params = list(module.parameters())  # a tied parameter once\n",
+    "        params = [p for _, p in module.named_parameters(remove_duplicate=False)]\n"),)
 # (mutant, its change, what the student must read, the test that must be the first to fail)
 MUTANTS = [
     ("the full parameters kept after forward", NOT_FREED,
@@ -81,6 +91,10 @@ MUTANTS = [
     ("a second backward's gradient assigned, not added", ASSIGNED,
      "the second backward replaced the first one's gradient",
      "test_the_shard_gradient_is_the_mean_gradient"),
+    ("a frozen parameter taken in", FROZEN_TAKEN,
+     "a frozen one is a ValueError at construction", "test_a_frozen_parameter_raises_value_error"),
+    ("a tied weight flattened twice", TIED_TWICE,
+     "the tied weight counted once", "test_a_tied_parameter_is_one_parameter"),
 ]
 
 
@@ -147,3 +161,28 @@ def test_the_flat_units_helpers_refuse_while_zero3_unit_is_graded():
     assert out.stdout.split("\n")[:5] == [
         "FlatParams refused", "Layout refused", "reduce_scatter_mean refused",
         "all_gather_shards refused", "StorageTracker works"], out.stdout
+
+
+# zero2_step: each mutant breaks one clause of its statement alone
+ZERO2 = {
+    # the gradients divided in place before the reduce-scatter: the mean is right, the
+    # caller's flat_grads is not left as it was
+    "grads_divided_in_place": [
+        ("    padded = flat_grads.new_zeros(world, chunk)\n",
+         "    flat_grads /= world\n    padded = flat_grads.new_zeros(world, chunk)\n"),
+        ("    grad = summed[:end - start] / world\n", "    grad = summed[:end - start]\n")],
+}
+ZERO2_EXPECTED = {  # name -> (verdict, what its first failing check must say)
+    "grads_divided_in_place": ("partial", ["test_flat_grads_is_left_as_it_was",
+                                           "changed the caller's flat_grads"]),
+}
+
+
+@pytest.fixture(scope="module")
+def zero2_verdicts(tmp_path_factory):
+    return lazy_grades(tmp_path_factory.mktemp("mutants_zero2"), "05_zero", "zero2_step", ZERO2)
+
+
+@pytest.mark.parametrize("name", list(ZERO2))
+def test_a_wrong_zero2_step_fails_naming_its_mistake(zero2_verdicts, name):
+    assert_named(zero2_verdicts(name), name, "zero2_step", 25, *ZERO2_EXPECTED[name])

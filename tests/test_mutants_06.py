@@ -8,7 +8,7 @@ check (``first_failure=True``), one after the other.
 """
 import pytest
 
-from mutants import lazy_grades
+from mutants import assert_named, lazy_grades
 
 LAB, EXERCISE = "06_tensor_parallel", "vocab_parallel_cross_entropy"
 
@@ -86,3 +86,29 @@ def test_a_wrong_vocab_parallel_cross_entropy_fails_naming_its_mistake(verdicts,
     assert r.verdict in ("partial", "fail") and r.points < r.max_points, (name, r)
     assert says in r.message, (name, r.message)
     assert r.message.startswith(first), (name, r.message)
+
+
+# ColumnParallelLinear: each mutant breaks one clause of its statement alone
+COLUMN = {
+    # the gathered output's pieces sized by the world, not the group: right on the default
+    # group, every test of which it passes
+    "gather_sized_by_the_world": [
+        ("sizes = tp.shard_sizes(self.out_features, dist.get_world_size(self.group))",
+         "sizes = tp.shard_sizes(self.out_features, dist.get_world_size())")],
+}
+COLUMN_EXPECTED = {  # name -> (verdict, what its first failing check must say)
+    "gather_sized_by_the_world": ("partial", ["test_gather_output_on_a_group_of_two_ranks",
+                                              "on the group of ranks [0, 2]",
+                                              "dist.get_world_size(group)"]),
+}
+
+
+@pytest.fixture(scope="module")
+def column_verdicts(tmp_path_factory):
+    return lazy_grades(tmp_path_factory.mktemp("mutants_column"), LAB, "ColumnParallelLinear",
+                       COLUMN)
+
+
+@pytest.mark.parametrize("name", list(COLUMN))
+def test_a_wrong_column_parallel_linear_fails_naming_its_mistake(column_verdicts, name):
+    assert_named(column_verdicts(name), name, "ColumnParallelLinear", 29, *COLUMN_EXPECTED[name])

@@ -18,12 +18,24 @@ SUMMED = (("                flats[i].div_(dist.get_world_size(group))\n", ""),)
 NO_OVERLAP = (("            ready[i].add(id(p))\n            launch(flush=False)\n",
                "            ready[i].add(id(p))\n"),)
 
+# the parameters broadcast at construction, the buffers not
+NO_BUFFERS = (("            for t in list(module.parameters()) + list(module.buffers()):\n",
+               "            for t in module.parameters():\n"),)
+
+# a cap of 0 taken for None (one bucket per parameter) instead of refused
+ZERO_CAP = (("plan_buckets(params, bucket_cap_mb)]",
+             "plan_buckets(params, bucket_cap_mb or None)]"),)
+
 # (mutant, its change, what the student must read, the test that must be the first to fail)
 MUTANTS = [
     ("buckets summed, not averaged", SUMMED, "is the SUM over the ranks, not the mean",
      "test_gradients_are_the_mean_over_ranks"),
     ("every bucket launched after backward", NO_OVERLAP, "no overlap",
      "test_the_first_all_reduce_starts_before_the_last_gradient"),
+    ("buffers not broadcast", NO_BUFFERS, "broadcast module.buffers() too",
+     "test_rank_0_buffers_are_broadcast"),
+    ("a cap of 0 taken for None", ZERO_CAP, "bucket_cap_mb=0) built a wrapper",
+     "test_a_bad_bucket_cap_mb_is_refused"),
 ]
 
 

@@ -61,6 +61,8 @@ GRID_MUTANTS = {
     # pp required to divide the layers
     "pp_divides_layers": [("if num_layers is not None and pp > num_layers:",
                            "if num_layers is not None and num_layers % pp:")],
+    # a bool taken for a size (True == 1)
+    "pp_bool": [('sizes = {"dp": dp, "tp": tp, "pp": pp}', 'sizes = {"dp": dp, "tp": tp, "pp": int(pp)}')],
     # the whole model-parallel block required to fit a node
     "tp_pp_in_a_node": [("if gpus_per_node is not None and tp > gpus_per_node:",
                          "if gpus_per_node is not None and tp * pp > gpus_per_node:")],
@@ -89,6 +91,7 @@ EXPECTED = {
                                 "under torch.autocast"]),
 }
 GRID_EXPECTED = {
+    "pp_bool": ("partial", ["test_bad_layouts_raise_value_error", "pp = True (a bool is not a size)"]),
     "pp_divides_layers": ("partial", ["test_limits_that_hold_are_accepted",
                                       "a valid layout refused", "pp need not divide the layers"]),
     "tp_pp_in_a_node": ("partial", ["test_limits_that_hold_are_accepted",

@@ -95,9 +95,14 @@ MOE = {
                                    "        if capacity == 0:\n            got.zero_()\n"
                                    "        else:\n"
                                    "            dist.all_to_all_single(got, counts, group=group)")],
+    # the experts counted over the world, not the group: right on the default group, every
+    # test of which it passes
+    "experts_over_the_world": [
+        ("    world = dist.get_world_size(group) if dist.is_initialized() else 1\n    local",
+         "    world = dist.get_world_size() if dist.is_initialized() else 1\n    local")],
 }
 
-MAX_POINTS = {"ring_attention": 28, "moe_dispatch_combine": 16}
+MAX_POINTS = {"ring_attention": 28, "moe_dispatch_combine": 17}
 # name -> (verdict, what its first failing check must say)
 EXPECTED = {
     "stale_kv_backward": ("fail", ["test_an_even_split",
@@ -123,6 +128,8 @@ EXPECTED = {
                                       "x.grad is None"]),
     "counts_skipped_when_empty": ("partial", ["test_rows_cross_once_each_way",
                                               "on every call"]),
+    "experts_over_the_world": ("partial", ["test_the_experts_are_spread_over_the_ranks_of_group",
+                                           "rank 0 of the group", "dist.get_world_size(group)"]),
 }
 
 

@@ -27,6 +27,12 @@ MUTANTS = {
     # the replicated weight's amax all-reduced as well: a collective for nothing
     "weight_amax_reduced": [("wq, ws = _cast(weight, torch.float8_e4m3fn, None)",
                              "wq, ws = _cast(weight, torch.float8_e4m3fn, group)")],
+    # the amax all-reduced over every rank: right wherever the group is the world
+    "world_amax": [("dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)",
+                    "dist.all_reduce(amax, op=dist.ReduceOp.MAX)")],
+    # the casts read back in float64: the same values and gradients, a float64 output
+    "float64_output": [("y = (xq.float() / xs) @ (wq.float() / ws).t()",
+                        "y = (xq.double() / xs) @ (wq.double() / ws).t()")],
 }
 
 # name -> (verdict, what its first failing check must say)
@@ -41,6 +47,10 @@ EXPECTED = {
     "zero_amax": ("partial", ["test_all_zero_tensors_give_zeros_not_nan", "max/0 is inf"]),
     "weight_amax_reduced": ("partial", ["test_one_max_all_reduce_of_one_number_per_sharded_cast",
                                         "its amax needs none"]),
+    "world_amax": ("partial", ["test_the_amax_is_reduced_over_group",
+                               "scaled by the amax over every rank", "group=group"]),
+    "float64_output": ("partial", ["test_the_output_is_float32", "torch.float64",
+                                   "output is float32"]),
 }
 
 
@@ -51,4 +61,4 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_a_mutant_fails_and_its_mistake_is_named(results, name):
-    assert_named(results(name), name, NAME, 9, *EXPECTED[name])
+    assert_named(results(name), name, NAME, 11, *EXPECTED[name])

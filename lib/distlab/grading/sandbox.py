@@ -25,9 +25,11 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from distlab.grading import answers
+from distlab.runtime import cgroup
 from distlab.runtime.privileges import PR_SET_CHILD_SUBREAPER, prctl
 
 # ------------------------------------------------------------ containing a process tree
@@ -91,12 +93,42 @@ def run_contained(cmd: list[str], *, env: dict, cwd, timeout: float,
     it ran past ``timeout``, or ``stop`` was set, and it was stopped; its combined
     output). When it ends, no process it started is left. With namespaces the run also
     has a network namespace of its own, only ``lo`` up, whose counters are the grader's
-    traffic evidence (:mod:`distlab.grading.wire`)."""
+    traffic evidence (:mod:`distlab.grading.wire`). A grading run (``env`` holds its
+    ranks' memory cap) runs in a cgroup of its own where one can be made
+    (:func:`distlab.runtime.cgroup.run_limits`): its pytest, fork server and ranks
+    together."""
     mode = containment()
     line = [sys.executable, "-m", "distlab.grading.sandbox", "init", "--", *cmd]
     if mode == "pidns":
         line = _UNSHARE + (["--net"] if network_namespace() else []) + line
-    proc = subprocess.Popen(line, env=dict(env, DISTLAB_PASS_FDS=",".join(map(str, pass_fds))),
+    tree = _run_cgroup(env)
+    env = dict(env, DISTLAB_PASS_FDS=",".join(map(str, pass_fds)))
+    if tree is not None:
+        env[RUN_CGROUP] = os.pathsep.join(tree.folders)
+    try:
+        return _supervise(line, env, cwd, timeout, pass_fds, stop, mode)
+    finally:
+        if tree is not None:
+            tree.remove()
+
+
+RUN_CGROUP = "DISTLAB_RUN_CGROUP"  # the run's cgroup folders, joined by its supervisor
+
+
+def _run_cgroup(env: dict) -> cgroup.Tree | None:
+    """A grading run's cgroup, or None: not a grading run, or none can be made here."""
+    from distlab.runtime import confine
+
+    memory = env.get("DISTLAB_GRADE_MEMORY_MB")
+    spec = confine.from_env(env)
+    if not memory or spec is None:
+        return None
+    limit, tasks = cgroup.run_limits(int(float(memory)), int(spec["processes"]))
+    return cgroup.make(f"{cgroup.PREFIX}run-{uuid.uuid4().hex}", limit, tasks)
+
+
+def _supervise(line, env, cwd, timeout, pass_fds, stop, mode) -> tuple[int | None, str]:
+    proc = subprocess.Popen(line, env=env,
                             cwd=cwd, pass_fds=list(pass_fds), stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -397,7 +429,11 @@ def rank_sandbox(tmp: Path, module: Path, user: str, imports: list[str] = (),
 
 def _init(cmd: list[str]) -> int:
     """The supervisor: start ``cmd``, wait for it (reaping whatever else ends), then
-    kill every process left below. SIGTERM stops ``cmd`` early."""
+    kill every process left below. SIGTERM stops ``cmd`` early. In the run's cgroup
+    (:func:`_run_cgroup`) before anything starts."""
+    folders = os.environ.pop(RUN_CGROUP, "")
+    if folders:
+        cgroup.Tree(folders.split(os.pathsep)).join()
     if os.getpid() != 1:
         prctl(PR_SET_CHILD_SUBREAPER, 1)
     os.environ.pop("DISTLAB_WIRE", None)  # only a loopback brought up here is counted

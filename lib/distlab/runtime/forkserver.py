@@ -357,7 +357,7 @@ def _rank_cgroup(env: dict):
     if sandbox is None or not memory:
         return None
     # a name of its own: PIDs repeat from one PID namespace to the next
-    return cgroup.make(f"distlab-rank-{uuid.uuid4().hex}",
+    return cgroup.make(f"{cgroup.PREFIX}rank-{uuid.uuid4().hex}",
                        (int(float(memory)) + cgroup.SLACK_MB) << 20, int(sandbox["processes"]))
 
 

@@ -20,7 +20,9 @@ flat buffer, the same in every step; training matches one process whether
 ``zero_grad()`` sets ``.grad`` to None or zeroes it in place; with every parameter used
 (the tied weight's hook runs once), every bucket is launched before backward returns.
 ``TiedPair`` shares one weight between two modules: counted twice (hooks registered
-module by module), its bucket would launch before its other gradients are in.
+module by module), its bucket would launch before its other gradients are in. Each rank
+gives the model a buffer of its own (rank 0's must reach every rank), and a bad
+``bucket_cap_mb`` (0, -1, "25", True) must be refused as ``plan_buckets`` refuses it.
 
 Every check runs here, in the test process, on what the ranks returned (plain data); the
 expected values are computed here, in one process.
@@ -100,7 +102,9 @@ HINTS = {'test_gradients_are_the_mean_over_ranks': {'SUM over the ranks': 2,
                                                       'frozen': 1},
          'test_a_rank_outside_the_group_is_left_alone': {'outside the group': 2,
                                                          'is not in the group': 2},
-         'test_a_second_backward_before_finish_raises': {'second backward': 4}}
+         'test_a_second_backward_before_finish_raises': {'second backward': 4},
+         'test_rank_0_buffers_are_broadcast': {'buffer': 1},
+         'test_a_bad_bucket_cap_mb_is_refused': {'bucket_cap_mb': 1}}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 STEPS, LR = 3, 0.5
@@ -108,6 +112,7 @@ CAP = 0.002          # MiB: the small GPT's gradients make 9-10 buckets
 WORLDS = [1, 2, 3, 4]
 TIMEOUT = 30           # seconds a launch may take: a deadlock is reported within it
 PAIR, PAIR_WORLD = [1, 3], 4   # a subgroup whose rank 0 is not global rank 0
+BAD_CAPS = (0, -1, "25", True)   # refused as plan_buckets refuses them
 
 
 # The traffic checks are self-reported (a CommLog a rank returned): bucket sizes, their
@@ -128,6 +133,7 @@ def rank_cases(BucketedDDP):
     out = {}
     # every parameter used: construction from rank-specific weights, one backward timed
     model = make_model(seed=rank, unused=False)
+    model.register_buffer("stat", torch.full((3,), float(rank), dtype=torch.float64))
     marks = []
     for p in model.parameters():  # registered first: they run before the student's hooks
         if p.requires_grad:
@@ -135,7 +141,8 @@ def rank_cases(BucketedDDP):
     with CommLog() as log:
         ddp = BucketedDDP(model, CAP)
     out["build"] = {"start": snapshot(model), "module": getattr(ddp, "module", None) is model,
-                    "calls": log.records()}
+                    "calls": log.records(),
+                    "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     with CommLog() as log:
         local_loss(ddp, 0, rank, world).backward()
         backward_end = time.perf_counter()
@@ -153,6 +160,13 @@ def rank_cases(BucketedDDP):
             local_loss(model, 0, rank, world).backward()
             ddp.finish_gradient_synchronization()
         out[f"cap={cap}"] = {"grads": snapshot(model, "grad"), "calls": log.records()}
+    out["bad caps"] = {}
+    for cap in BAD_CAPS:
+        try:
+            BucketedDDP(make_model(), cap)
+            out["bad caps"][repr(cap)] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the class name is the result
+            out["bad caps"][repr(cap)] = type(e).__name__
     return out
 
 
@@ -450,6 +464,37 @@ def test_rank_0_weights_are_broadcast_and_module_is_kept(student, world):
                          f"group must broadcast its parameters and buffers at construction)")
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_rank_0_buffers_are_broadcast(student, world):
+    """Each rank registers a buffer ``stat`` of its own rank number: after construction
+    every rank holds rank 0's (zeros)."""
+    for rank, r in enumerate(run(student, world)):
+        got = r["build"]["buffers"]["stat"]
+        expect_close(got, torch.zeros(3, dtype=torch.float64), f"rank {rank} of {world}: the "
+                     f"buffer stat right after BucketedDDP(...) (each rank registered its own "
+                     f"rank number; every member ends with the parameters and buffers of the "
+                     f"group's rank 0: broadcast module.buffers() too)")
+
+
+def test_a_bad_bucket_cap_mb_is_refused(student):
+    """bucket_cap_mb 0, -1, "25" and True: refused at construction with the exception
+    plan_buckets raises for it (ValueError for a number not above 0, TypeError for what
+    is not a number)."""
+    found = run(student, 1)[0]["bad caps"]
+    for cap in BAD_CAPS:
+        got = found[repr(cap)]
+        try:
+            plan_buckets([], cap)
+            want = "accepted"
+        except Exception as e:  # noqa: BLE001 - the class name is the result
+            want = type(e).__name__
+        assert got == want, (
+            f"BucketedDDP(model, bucket_cap_mb={cap!r}) "
+            + ("built a wrapper" if got == "accepted" else f"raised {got}")
+            + f"; bucket_cap_mb is a number > 0 (MiB) or None: refuse {cap!r} with {want}, as "
+            f"plan_buckets does")
+
+
 @pytest.mark.parametrize("world", [1, 3])
 def test_one_all_reduce_per_bucket_in_reverse_order(student, world):
     want = expected_buckets(CAP)
@@ -651,3 +696,4 @@ def test_a_second_backward_before_finish_raises(student):
             ": its gradients went into buckets whose all-reduce was already in flight. In the "
             "hook, raise a RuntimeError when the parameter's bucket has been launched, saying "
             "to call finish_gradient_synchronization() after every backward")
+

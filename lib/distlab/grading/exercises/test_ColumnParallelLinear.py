@@ -8,7 +8,8 @@ input's gradient is summed over the group (Megatron's f). Tested at 1, 2, 3 and 
 output and every gradient, with the collectives CommLog saw (at one rank they may be
 skipped); then with gather_output, and on a group of ranks 0 and 2 of 3 and 4, where a
 rank outside the group must keep no shard and return None at once, without a call and
-without touching the nn.Linear or the input. The cases and checks are in tp_cases.py.
+without touching the nn.Linear or the input; and with gather_output on that group of 3
+(the whole output gathered over the group's ranks only). The cases and checks are in tp_cases.py.
 """
 import tp_cases
 
@@ -26,6 +27,7 @@ HINTS = {
     "test_gather_output_returns_the_whole_output": 4,
     "test_a_group_of_two_ranks": 1,
     "test_a_rank_outside_the_group_returns_none_at_once": 1,
+    "test_gather_output_on_a_group_of_two_ranks": 4,
 }
 
 test_keeps_its_shard_of_weight_and_bias = _tests["shards"]
@@ -36,3 +38,4 @@ test_no_collective_forward_one_all_reduce_backward = _tests["communication"]
 test_gather_output_returns_the_whole_output = _tests["gather"]
 test_a_group_of_two_ranks = _tests["group"]
 test_a_rank_outside_the_group_returns_none_at_once = _tests["outside"]
+test_gather_output_on_a_group_of_two_ranks = _tests["gather group"]

@@ -101,12 +101,16 @@ HINTS = {'test_keeps_only_this_ranks_shard': {'uneven shards lost': 4,
                                        'backward refused the parameters': 3,
                                        'backward raised': 1,
                                        'unit.shard.grad': 2},
-         'test_a_rank_outside_the_group_keeps_nothing': {'not in the group': 5}}
+         'test_a_rank_outside_the_group_keeps_nothing': {'not in the group': 5},
+         'test_a_frozen_parameter_raises_value_error': {'frozen': 5},
+         'test_a_tied_parameter_is_one_parameter': {'tied': 2}}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 IN, HIDDEN, OUT = 16, 48, 5
 NUMEL = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT          # 1061 = 2·530 + 1 = 3·353 + 2
 ROWS, STEPS, ELEMENT = 6, 3, 8                              # float64
+TIED_DIM = 5
+TIED_NUMEL = TIED_DIM * TIED_DIM + 2 * TIED_DIM              # 35 = 18 + 17 = 12 + 12 + 11
 TWICE = 1                  # the step with two forward-backwards before the optimizer step
 LR, MOMENTUM = 0.2, 0.9
 PAIR = [0, 2]
@@ -129,6 +133,32 @@ class MLP(nn.Module):
 def make_mlp():
     torch.manual_seed(5)
     return MLP()
+
+
+class Tied(nn.Module):
+    """``b`` reuses ``a``'s weight (one parameter registered in two places): TIED_NUMEL
+    elements, uneven over 2 and 3 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.a = nn.Linear(TIED_DIM, TIED_DIM, dtype=torch.float64)
+        self.b = nn.Linear(TIED_DIM, TIED_DIM, dtype=torch.float64)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def tied_input(rank):
+    return torch.randn(3, TIED_DIM, generator=torch.Generator().manual_seed(rank),
+                       dtype=torch.float64)
+
+
+def frozen_mlp():
+    net = make_mlp()
+    net.up.bias.requires_grad_(False)
+    return net
 
 
 def batch(step, rank=0, world=1):
@@ -213,6 +243,7 @@ def rank_run(cls, group_ranks=None, train=True):
             out["outside"] = {"returned": type(y).__name__, "calls": log.records()}
             return out
         if not train:
+            out.update(frozen=build_frozen(cls), tied=build_tied(cls, rank))
             return out
         momentum = {}
         for step in range(STEPS):
@@ -246,6 +277,33 @@ def rank_run(cls, group_ranks=None, train=True):
             record["shard"] = _tensor(shard)
             out["steps"].append(record)
     return out
+
+
+def build_frozen(cls):
+    """(what building a unit of an MLP whose up.bias is frozen did, calls it made)."""
+    with CommLog() as log:
+        try:
+            cls(frozen_mlp())
+            did = "returned"
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the class name is the result
+            did = type(exc).__name__
+    return did, len(log.records())
+
+
+def build_tied(cls, rank):
+    """A unit of Tied: its shard, and its gradient after one backward (plain data, or
+    what raised)."""
+    try:
+        unit = cls(Tied())
+        shard = _tensor(getattr(unit, "shard", None))
+        unit(tied_input(rank)).pow(2).sum().backward()
+        return {"shard": shard, "grad": _tensor(getattr(unit.shard, "grad", None))}
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported by the test
+        return {"raised": f"{type(exc).__name__}: {exc}"}
 
 
 # --------------------------------------------------------------- in the test process
@@ -343,7 +401,11 @@ def piece(flat, world, rank):
 
 
 def span(world, rank):
-    sizes = [len(p) for p in torch.arange(NUMEL).tensor_split(world)]
+    return span_of(NUMEL, world, rank)
+
+
+def span_of(numel, world, rank):
+    sizes = [len(p) for p in torch.arange(numel).tensor_split(world)]
     start = sum(sizes[:rank])
     return start, start + sizes[rank]
 
@@ -564,3 +626,41 @@ def test_a_group_of_two_ranks(student):
 
 def test_a_rank_outside_the_group_keeps_nothing(student):
     check_outside(run(student, 3, pair=True))
+
+
+def test_a_frozen_parameter_raises_value_error(student):
+    did, calls = run(student, 2, train=False)[0]["frozen"]
+    assert did == "ValueError" and not calls, (
+        f"ZeRO3Unit(module) of an MLP whose up.bias is frozen (requires_grad=False) "
+        + ("built a unit" if did == "returned" else f"raised {did}")
+        + f" after {calls} communication call(s): a unit trains every parameter of its "
+        f"module, so a frozen one is a ValueError at construction, before any call")
+
+
+@pytest.mark.parametrize("world", MULTI)
+def test_a_tied_parameter_is_one_parameter(student, world):
+    """b.weight is a.weight: in the flat buffer once, its gradient the sum of both uses
+    (rank r's backward on its own input; the mean over the ranks)."""
+    flat = torch.cat([p.detach().reshape(-1) for p in Tied().parameters()])
+    grads = []
+    for rank in range(world):
+        net = Tied()
+        net(tied_input(rank)).pow(2).sum().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+    mean = torch.stack(grads).mean(0)
+    for rank, found in enumerate(run(student, world, train=False)):
+        where = f"rank {rank} of {world}, a module whose b.weight is a.weight (tied)"
+        tied = found["tied"]
+        assert "raised" not in tied, f"{where}: {tied['raised']}"
+        start, end = span_of(TIED_NUMEL, world, rank)
+        got = tied["shard"]
+        assert got is not None and got.shape == (end - start,), (
+            f"{where}: unit.shard has shape {None if got is None else tuple(got.shape)}, "
+            f"expected ({end - start},): the module has {TIED_NUMEL} elements of parameters, "
+            f"the tied weight counted once (module.parameters() yields it once)")
+        expect_close(got, piece(flat, world, rank), f"{where}: unit.shard (elements "
+                     f"{start}..{end - 1} of the parameters flattened, the tied weight once)")
+        assert tied["grad"] is not None, f"{where}: unit.shard.grad is None after backward"
+        expect_close(tied["grad"], piece(mean, world, rank), f"{where}: unit.shard.grad after "
+                     f"one backward (the tied weight's gradient is the sum of both uses; the "
+                     f"mean over the ranks)")

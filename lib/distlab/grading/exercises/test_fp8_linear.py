@@ -12,9 +12,10 @@ Probes make the casts visible exactly: with the identity as weight, the output i
 e4m3 sees it and the input's gradient is the output's gradient as e5m2 sees it (a
 product with 1 and 0 is exact); with the identity as input, the output is the weight as
 e4m3 sees it. One launch per world size (1, and 2 with 25 rows split 13 + 12) computes every case, forward and
-backward, and logs the collectives; the expected values are computed here, and a
-wrong value is compared with what the usual mistakes give, so that the message names
-the mistake.
+backward, and logs the collectives; one more runs the identity probe on the group of
+global ranks 1 and 2 of 3, rank 0 in a group of its own with a louder probe. The expected
+values are computed here, and a wrong value is compared with what the usual mistakes
+give, so that the message names the mistake.
 """
 import sys
 
@@ -45,6 +46,10 @@ REL, MISS_FRACTION = 1e-5, 0.01
 NORM_REL = 1e-5
 WORLDS, MULTI = (1, 2), (2,)
 TIMEOUT = 60
+# the subgroup case: the identity probe's rows split over global ranks 1 and 2 of 3, while
+# rank 0, alone in a group of its own, casts the same probe LOUDER times larger (a larger
+# amax: reduced over the world instead of group, it changes the pair's scales)
+PAIR, PAIR_WORLD, LOUDER = (1, 2), 3, 4.0
 
 # The hint under the exercise a student failing each test opens (1: what backward
 # keeps, 2: where a rank's scale differs from one process's, 3: a tensor of zeros,
@@ -58,6 +63,8 @@ HINTS = {
     "test_all_zero_tensors_give_zeros_not_nan": 3,
     "test_a_sharded_call_equals_the_unsharded_one_bit_for_bit": 2,
     "test_one_max_all_reduce_of_one_number_per_sharded_cast": 2,
+    "test_the_amax_is_reduced_over_group": 2,
+    "test_the_output_is_float32": 4,
 }
 
 
@@ -110,6 +117,25 @@ def rank_cases(fn):
             found[name] = t.grad.clone() if t is not None and t.grad is not None else None
         out[case] = found
     return out
+
+
+def pair_case(fn):
+    """The identity probe, forward and backward: on PAIR, this rank's rows with their group;
+    on rank 0, in a group of its own, the whole probe times LOUDER."""
+    rank = dist.get_rank()
+    pair, alone = dist.new_group(list(PAIR)), dist.new_group([0])   # every rank makes both
+    x, w, _, g = data("identity")
+    if rank in PAIR:
+        me = PAIR.index(rank)
+        x, g = x.tensor_split(len(PAIR))[me], g.tensor_split(len(PAIR))[me]
+    else:
+        x, g = LOUDER * x, LOUDER * g
+    x = x.clone().requires_grad_()
+    y = fn(x, w, None, pair if rank in PAIR else alone)
+    if not isinstance(y, torch.Tensor):
+        return {"type": type(y).__name__, "y": None, "grad_x": None}
+    y.backward(g)
+    return {"type": type(y).__name__, "y": y.detach().clone(), "grad_x": x.grad}
 
 
 # --------------------------------------------------------------- in the test process
@@ -321,3 +347,49 @@ def test_one_max_all_reduce_of_one_number_per_sharded_cast(student, world):
                     f"{what}: made {calls or 'no collective'}; exactly one all-reduce of one "
                     f"float32 (the amax of the row-sharded {'x' if when == 'forward' else 'gradient'}) "
                     f"is needed. The weight is the same on every rank: its amax needs none")
+
+
+def test_the_amax_is_reduced_over_group(student):
+    """The identity probe's rows split over the group of global ranks 1 and 2 of 3, bit
+    for bit the unsharded call's rows, while rank 0, in a group of its own, casts a louder
+    probe: the amax of x and of the output's gradient is the group's, not the world's."""
+    on = f"group=dist.new_group({list(PAIR)}) of {PAIR_WORLD} ranks"
+    whole = one(student, "identity")
+    try:
+        ranks = launch.run(pair_case, PAIR_WORLD, student.fp8_linear, backend="gloo",
+                           timeout=TIMEOUT)
+    except launch.LaunchTimeout:
+        pytest.fail(f"with {on} (and rank 0 in a group of its own) the ranks did not finish "
+                    f"within {TIMEOUT} s: all-reduce the amax over group (group=group)")
+    x, _, _, g = data("identity")
+    for me, rank in enumerate(PAIR):
+        found = ranks[rank]
+        what = f"rank {rank} (rank {me} of {on})"
+        assert isinstance(found["y"], torch.Tensor), f"{what}: returned {found['type']}"
+        for name, t in (("y", x), ("grad_x", g)):
+            label, role = (("the output", "x") if name == "y"
+                           else ("x's gradient", "the output's gradient"))
+            got, want = found[name], whole[name].tensor_split(len(PAIR))[me]
+            assert got is not None, f"{what}: {label} is missing"
+            if torch.equal(got, want):
+                continue
+            world_amax = LOUDER * t.abs().amax()
+            louder = rt(torch.cat([t.tensor_split(len(PAIR))[me].reshape(-1), world_amax[None]]),
+                        E4M3 if name == "y" else E5M2)[:-1].reshape(got.shape)
+            why = (f"{role} was scaled by the amax over every rank (rank 0, outside the group, "
+                   f"holds a larger one): all-reduce the amax over group (group=group), the "
+                   f"ranks whose rows make the tensor" if torch.equal(got, louder) else
+                   f"each rank's casts must equal its rows of the unsharded call's (the amax "
+                   f"all-reduced with MAX over group)")
+            raise AssertionError(f"{what}: {label} differs from the rows of the unsharded call "
+                                 f"(group=None on the whole probe): {why}")
+
+
+def test_the_output_is_float32(student):
+    found = one(student, "dense")
+    x, w, _, _ = data("dense")
+    want = (*x.shape[:-1], w.shape[0])
+    assert tuple(found["y"].shape) == want and found["y"].dtype == torch.float32, (
+        f"a {tuple(x.shape)} input through a {IN} → {OUT} layer returned a "
+        f"{found['y'].dtype} tensor of shape {tuple(found['y'].shape)}; the contract's "
+        f"output is float32 of shape {want}: multiply the casts read back in float32")

@@ -25,6 +25,7 @@ BAD = {  # what is wrong -> the call's keyword arguments
     "dp = 0": dict(rank=0, world_size=8, dp=0, tp=8, pp=1),
     "tp = -2": dict(rank=0, world_size=8, dp=-4, tp=-2, pp=1),
     "dp = True (a bool is not a size)": dict(rank=0, world_size=8, dp=True, tp=8, pp=1),
+    "pp = True (a bool is not a size)": dict(rank=0, world_size=8, dp=8, tp=1, pp=True),
     "tp = 2.0 (a float is not a size)": dict(rank=0, world_size=8, dp=4, tp=2.0, pp=1),
     "tp = 8 with 4 GPUs per node": dict(rank=0, world_size=8, dp=1, tp=8, pp=1, gpus_per_node=4),
     "pp = 8 stages for 4 layers": dict(rank=0, world_size=8, dp=1, tp=1, pp=8, num_layers=4),

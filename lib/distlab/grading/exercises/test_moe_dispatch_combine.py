@@ -6,7 +6,8 @@ of tokens on each rank. One launch per world size (1 to 4) runs every case and r
 plain data: outputs, the gradients of x, of the weights and of this rank's experts, what
 each expert was called on (experts that record their inputs), and the CommLog records
 of forward and backward. The expected values come from one process running all the
-experts on each rank's tokens, written here with its own loops (fp64).
+experts on each rank's tokens, written here with its own loops (fp64). One more launch
+runs every capacity on the group of global ranks 1, 2, 3 of 4, rank 0 outside it.
 
 Traffic: the CommLog gives the calls and their bytes (self-reported); the bytes on the
 wire during each launch are bounded by what the rows that leave their rank weigh (a
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab import launch
 from distlab.comm import CommLog
 from distlab.grading import expect_close, wire
 import lab10_cases
@@ -36,12 +38,14 @@ HINTS = {"test_identity_experts_with_weights_one_over_k_give_back_the_input": 1,
          "test_the_output_is_one_process_moe": 1,
          "test_the_gradients_are_one_process_gradients": 4,
          "test_rows_cross_once_each_way": 5,
-         "test_bad_inputs_raise_before_any_communication": 2}
+         "test_bad_inputs_raise_before_any_communication": 2,
+         "test_the_experts_are_spread_over_the_ranks_of_group": 1}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 WORLDS = (1, 2, 3, 4)
 LOCAL, K, DIM, HIDDEN = 2, 2, 5, 7
 CAPACITIES = (None, 2, 0)   # no limit, a tight one (drops on every rank), everything dropped
+SUBGROUP, SUB_WORLD = (1, 2, 3), 4   # group ranks 0, 1, 2 are global ranks 1, 2, 3; 0 is outside
 
 
 def tokens(world, rank):
@@ -79,37 +83,37 @@ def routing(world, rank, seed=0):
 # ---------------------------------------------------------------------- in the ranks
 
 
+def one_case(fn, world, rank, capacity, group):
+    """One call on this rank (rank ``rank`` of ``world`` in ``group``) and its backward:
+    plain data, or {"raised": what happened}."""
+    experts = [Expert(rank * LOCAL + i) for i in range(LOCAL)]
+    x, ids, weights = routing(world, rank)
+    x.requires_grad_(), weights.requires_grad_()
+    with CommLog() as forward:
+        try:
+            y = fn(x, ids, weights, nn.ModuleList(experts), capacity, group)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            return {"raised": f"raised {type(exc).__name__}: {exc}"}
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return {"raised": f"returned {type(y).__name__} of shape "
+                          f"{tuple(getattr(y, 'shape', ()))}; expected x's shape"}
+    calls = [list(e.calls) for e in experts]
+    with CommLog() as backward:
+        try:
+            if y.requires_grad:  # every assignment dropped: y may be a constant
+                (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+        except Exception as exc:
+            return {"raised": f"backward raised {type(exc).__name__}: {exc}"}
+    return {"y": y.detach(), "dx": x.grad, "dw": weights.grad,
+            "dexperts": [[p.grad for p in (e.up, e.down)] for e in experts],
+            "calls": calls, "forward": forward.records(), "backward": backward.records()}
+
+
 def run_cases(fn):
     world, rank = dist.get_world_size(), dist.get_rank()
-    found = []
-    for capacity in CAPACITIES:
-        experts = [Expert(rank * LOCAL + i) for i in range(LOCAL)]
-        x, ids, weights = routing(world, rank)
-        x.requires_grad_(), weights.requires_grad_()
-        with CommLog() as forward:
-            try:
-                y = fn(x, ids, weights, nn.ModuleList(experts), capacity, None)
-            except NotImplementedError:
-                raise
-            except Exception as exc:
-                found.append({"raised": f"raised {type(exc).__name__}: {exc}"})
-                continue
-        if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-            found.append({"raised": f"returned {type(y).__name__} of shape "
-                                    f"{tuple(getattr(y, 'shape', ()))}; expected x's shape"})
-            continue
-        calls = [list(e.calls) for e in experts]
-        with CommLog() as backward:
-            try:
-                if y.requires_grad:  # every assignment dropped: y may be a constant
-                    (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
-            except Exception as exc:
-                found.append({"raised": f"backward raised {type(exc).__name__}: {exc}"})
-                continue
-        found.append({"y": y.detach(), "dx": x.grad, "dw": weights.grad,
-                      "dexperts": [[p.grad for p in (e.up, e.down)] for e in experts],
-                      "calls": calls, "forward": forward.records(),
-                      "backward": backward.records()})
+    found = [one_case(fn, world, rank, capacity, None) for capacity in CAPACITIES]
     # identity experts, weights 1/k, no capacity
     experts = nn.ModuleList(Expert(0, identity=True) for _ in range(LOCAL))
     x, ids, _ = routing(world, rank, seed=1)
@@ -119,6 +123,31 @@ def run_cases(fn):
     except Exception as exc:
         identity = {"raised": f"raised {type(exc).__name__}: {exc}"}
     return {"cases": found, "identity": identity}
+
+
+def on_a_subgroup(fn):
+    """Members: every capacity on group = ranks SUBGROUP of SUB_WORLD (group rank r plays
+    rank r of a world of len(SUBGROUP)). The rank outside: one call with group rank 0's
+    inputs, and what it did, the calls it made, whether x or an expert was touched."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(SUBGROUP))
+    members = len(SUBGROUP)
+    if rank in SUBGROUP:
+        return {"cases": [one_case(fn, members, SUBGROUP.index(rank), capacity, group)
+                          for capacity in CAPACITIES]}
+    experts = [Expert(i) for i in range(LOCAL)]
+    x, ids, weights = routing(members, 0)
+    before = x.clone()
+    with CommLog() as log:
+        try:
+            out = fn(x, ids, weights, nn.ModuleList(experts), None, group)
+            did = f"returned {type(out).__name__}"
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            did = f"raised {type(exc).__name__}: {exc}"
+    touched = not torch.equal(x, before) or any(e.calls for e in experts)
+    return {"outside": (did, len(log.records()), touched)}
 
 
 def run_errors(fn):
@@ -344,3 +373,51 @@ def test_bad_inputs_raise_before_any_communication(student):
     lab10_cases.check_errors(student, "moe_dispatch_combine", run_errors, "a token routed twice "
                              "to one expert, an id out of range, weights shaped unlike the ids, "
                              "a negative capacity")
+
+
+def test_the_experts_are_spread_over_the_ranks_of_group(student):
+    """group=dist.new_group([1, 2, 3]) of 4 ranks: W is the group's size (3, so E = 6), r
+    the rank in it; every capacity's output and gradients as one process's (a collective
+    over the world waits for rank 0: a timeout). Rank 0, outside, makes no call and
+    returns None at once (DESIGN.md's rule for every exercise that takes a group)."""
+    on = f"group=dist.new_group({list(SUBGROUP)}) of {SUB_WORLD} ranks"
+    fix = (" The experts are spread over the ranks of group: W is dist.get_world_size(group) "
+           "(E = W·L), expert e lives on group rank e // L, every all_to_all_single gets "
+           "group=group")
+    try:
+        runs = launch.run(on_a_subgroup, SUB_WORLD, student.moe_dispatch_combine,
+                          backend="gloo", timeout=30)
+    except launch.LaunchTimeout:
+        pytest.fail(f"with {on} the ranks did not finish within 30 s: a rank waited in a "
+                    f"collective that a rank never entered.{fix}; a rank outside the group "
+                    f"returns at once")
+    members = len(SUBGROUP)
+    for me, rank in enumerate(SUBGROUP):
+        for capacity, found in zip(CAPACITIES, runs[rank]["cases"]):
+            what = f"rank {rank} (rank {me} of the group), {on}, capacity {capacity}"
+            assert "raised" not in found, f"{what}: moe_dispatch_combine {found['raised']}.{fix}"
+            per_rank, grads = one_process(members, capacity)
+            expect_close(found["y"], per_rank[me]["y"], f"{what}: y (against one process "
+                         f"running the group's {LOCAL * members} experts on group rank {me}'s "
+                         f"tokens).{fix}", rtol=0, atol=1e-12)
+            for name in ("dx", "dw"):
+                got = found[name]
+                if got is None and capacity == 0:
+                    got = torch.zeros_like(per_rank[me][name])
+                expect_close(got, per_rank[me][name], f"{what}: the gradient of "
+                             f"{'x' if name == 'dx' else 'the weights'}.{fix}", rtol=0, atol=1e-12)
+            for local, pair in enumerate(found["dexperts"]):
+                for pname, got, want in zip(("up", "down"), pair, grads[me * LOCAL + local]):
+                    expect_close(torch.zeros_like(want) if got is None else got, want,
+                                 f"{what}: the gradient of expert {me * LOCAL + local}'s "
+                                 f"{pname}.{fix}", rtol=0, atol=1e-12)
+    for rank in range(SUB_WORLD):
+        if rank in SUBGROUP:
+            continue
+        did, calls, touched = runs[rank]["outside"]
+        assert calls == 0 and did == "returned NoneType", (
+            f"rank {rank} is not a member of {on}; moe_dispatch_combine {did} after {calls} "
+            f"communication call(s). A rank outside the group holds none of the experts: it "
+            f"makes no call and returns None at once (dist.get_rank(group) is -1 there)")
+        assert not touched, (f"rank {rank}, outside {on}: moe_dispatch_combine changed x or "
+                             f"called an expert; outside the group it touches nothing")

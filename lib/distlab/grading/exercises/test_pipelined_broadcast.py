@@ -190,6 +190,30 @@ def test_forwards_before_it_has_everything(student):
                     f"receive of chunk c+1 (one batch_isend_irecv per step).")
 
 
+def test_the_chain_follows_the_group_order(student):
+    """The chain is src, then the members that follow it in the order of
+    dist.get_process_group_ranks(group), wrapping around: each rank receives only from
+    its predecessor and sends only to its successor (global ranks), on 4 ranks and on
+    the group [0, 2, 3] of 4."""
+    for members, world_size in (((0, 1, 2, 3), 4), (SUBGROUP, 4)):
+        runs, k = _outcome(student, members, world_size), len(members)
+        for i, (src, shape, chunks, dtype) in enumerate(_cases(members)):
+            start = members.index(src)
+            chain = [members[(start + j) % k] for j in range(k)]
+            for pos, rank in enumerate(chain):
+                prev = chain[pos - 1] if pos else None
+                succ = chain[pos + 1] if pos < k - 1 else None
+                log = CommLog.from_records(runs[rank]["cases"][i]["log"], rank)
+                for e in log.select(SENDS + RECEIVES):
+                    right = succ if e.op in SENDS else prev
+                    assert e.peer == right, (
+                        f"{_case(rank, src, shape, chunks, dtype, members, world_size)}: its "
+                        f"{e.describe()}; the chain is {' -> '.join(map(str, chain))} (src, "
+                        f"then the members that follow it in the order of "
+                        f"dist.get_process_group_ranks(group), wrapping around), so this rank "
+                        f"receives only from {prev} and sends only to {succ}")
+
+
 def _on_gpu(pipelined_broadcast):
     from distlab import backend
 

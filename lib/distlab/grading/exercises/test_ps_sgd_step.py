@@ -18,6 +18,7 @@ from distlab.grading import expect_close
 NOTEBOOK = "02_parameter_server"
 BATCH, STEPS, LR = 12, 3, 0.1          # 12 samples split evenly over 1, 2, 3 or 4 workers
 SUBGROUP = (1, 2, 3)                   # of 4 ranks: rank 0 is outside
+SUB_SERVER = 2                         # the subgroup's server (its group rank is 1)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks get the helpers
 
 
@@ -44,7 +45,9 @@ def _grads(params, x, y):
 
 def _train(ps_sgd_step, servers, members, dtype=torch.float64):
     """In the ranks: for each server, STEPS steps of ps_sgd_step, each rank on its shard
-    of the batch. Returns, per server and step, the parameters after it and the log."""
+    of the batch. Returns, per server and step, the parameters after it and the log; on
+    a subgroup, under "stale", the parameters after one step from copies that differ
+    from the first server's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(members)) if len(members) < world else None
     if rank not in members:
@@ -64,6 +67,10 @@ def _train(ps_sgd_step, servers, members, dtype=torch.float64):
                 ps_sgd_step(params, grads, server, LR, group=group)
             steps.append({"params": [p.clone() for p in params], "log": log.records()})
         found[server] = steps
+    if group is not None:  # the workers' copies stale (the server's plus one): pulled over
+        params = [p + (rank != servers[0]) for p in _model(dtype)]
+        ps_sgd_step(params, _grads(_model(dtype), xs, ys), servers[0], LR, group=group)
+        found["stale"] = params
     return found
 
 
@@ -137,14 +144,14 @@ _subgroup_runs = {}
 
 def _on_the_subgroup(student):
     if "runs" not in _subgroup_runs:
-        _subgroup_runs["runs"] = launch.run(_train, 4, student.ps_sgd_step, [2], SUBGROUP,
-                                            backend="gloo", timeout=30)
+        _subgroup_runs["runs"] = launch.run(_train, 4, student.ps_sgd_step, [SUB_SERVER],
+                                            SUBGROUP, backend="gloo", timeout=30)
     return _subgroup_runs["runs"]
 
 
 def test_on_a_subgroup(student):
     """Global ranks 1, 2, 3, the server global rank 2 (its group rank is 1)."""
-    _check(_on_the_subgroup(student), [2], SUBGROUP, 4)
+    _check(_on_the_subgroup(student), [SUB_SERVER], SUBGROUP, 4)
 
 
 def test_outside_the_group(student):
@@ -159,6 +166,24 @@ def test_outside_the_group(student):
                                                     *_batch(torch.float64)))):
         expect_close(g, want, f"{case}: its gradient {i} must be left as it was")
     assert kind == "NoneType", f"{case}; ps_sgd_step should return None there, got a {kind}"
+
+
+def test_every_rank_gets_the_servers_parameters(student):
+    """On the subgroup, the server global rank 2: the other members start from stale
+    copies (the server's parameters plus one); after the step they hold the server's new
+    parameters, as a pull of the parameters (not of the averaged gradient) leaves them."""
+    runs = _on_the_subgroup(student)
+    want = _reference(torch.float64)[0]
+    for rank in SUBGROUP:
+        for i, (p, r) in enumerate(zip(runs[rank]["stale"], want)):
+            stale = rank != SUB_SERVER and torch.allclose(p, r + 1)
+            expect_close(p, r, f"rank {rank}, server {SUB_SERVER}, group of global ranks "
+                         f"{list(SUBGROUP)}, its parameters one more than the server's before "
+                         f"the step: parameter "
+                         f"{i} after it must be the server's new parameter"
+                         + (" (it is this rank's own copy stepped: the server takes the step "
+                            "and broadcasts the new parameters, not the averaged gradient)"
+                            if stale else ""))
 
 
 def _on_gpu(ps_sgd_step):

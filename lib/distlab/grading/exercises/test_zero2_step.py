@@ -29,7 +29,8 @@ HINTS = {"test_the_parameters_follow_adamw_on_the_mean_gradient": 1,
          "test_the_remainder_is_updated": 2,
          "test_every_rank_holds_every_updated_shard": 2,
          "test_a_group_steps_between_its_own_ranks": 3,
-         "test_float64_buffers_are_stepped_in_float64": 2}
+         "test_float64_buffers_are_stepped_in_float64": 2,
+         "test_flat_grads_is_left_as_it_was": 2}
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
 NUMEL, STEPS = 1001, 3
@@ -264,3 +265,14 @@ def test_float64_buffers_are_stepped_in_float64(student):
                 f"in the inputs' dtype (new_zeros, new_empty, zeros_like)")
             expect_close(got["params"], want["params"], f"{where}: the parameters against "
                          f"torch.optim.AdamW in float64", rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_flat_grads_is_left_as_it_was(student, world):
+    """Every member's flat_grads after each step equals the gradients it passed in."""
+    for rank, out in enumerate(run(student, world)):
+        for step, got in enumerate(out):
+            assert got["grads_untouched"], (
+                f"rank {rank} of {world}, step {step}: zero2_step changed the caller's "
+                f"flat_grads (compared with the gradients passed in); it is read, never "
+                f"written: pad or divide a copy (new_zeros, then copy the shards in)")

@@ -44,7 +44,18 @@ def reference(bias: bool = True):
 
 def cases(kind: str, size: int) -> list[str]:
     names = ["bias", "no bias"] + (["gather"] if kind == "column" else [])
-    return names + (["pair"] if size >= 3 else [])
+    return names + (["pair"] if size >= 3 else []) + (
+        ["gather pair"] if kind == "column" and size == 3 else [])
+
+
+def grouped(case: str) -> bool:
+    """The case runs on the group PAIR (the others on the default group)."""
+    return case.endswith("pair")
+
+
+def gathers(case: str) -> bool:
+    """The case builds a ColumnParallelLinear with gather_output=True."""
+    return case.startswith("gather")
 
 
 # ----------------------------------------------------------------- inside the ranks
@@ -60,12 +71,12 @@ def rank_case(kind: str, cls, case: str, forward: bool = True):
     code stops the launch (the launcher reports it): catching it here would leave the
     other ranks waiting in a collective. The shards come from a launch without
     ``forward``, so that a broken forward does not hide them."""
-    group = dist.new_group(list(PAIR)) if case == "pair" else None
+    group = dist.new_group(list(PAIR)) if grouped(case) else None
     linear, x, up = reference(bias=case != "no bias")
     grank, gsize = dist.get_rank(group), dist.get_world_size(group)
     before = linear.weight.detach().clone()
     with CommLog() as build:
-        layer = cls(linear, group, gather_output=case == "gather") if kind == "column" \
+        layer = cls(linear, group, gather_output=gathers(case)) if kind == "column" \
             else cls(linear, group)
     weight, bias = getattr(layer, "weight", None), getattr(layer, "bias", None)
     r = dict(weight=_tensor(weight), bias=_tensor(bias), build=build.records(),
@@ -80,7 +91,7 @@ def rank_case(kind: str, cls, case: str, forward: bool = True):
     with CommLog() as fwd:
         y = layer(xin)
     r.update(y=_tensor(y), y_type=type(y).__name__, backward=[], forward=fwd.records())
-    if kind == "column" and case != "gather" and grank >= 0:
+    if kind == "column" and not gathers(case) and grank >= 0:
         up = up.tensor_split(gsize, -1)[grank]
     if isinstance(y, torch.Tensor) and y.shape == up.shape and y.requires_grad and grank >= 0:
         with CommLog() as bwd:
@@ -103,8 +114,10 @@ def run(kind: str, cls, size: int, case: str, forward: bool = True) -> list:
     through the sizes once per aspect; a new size costs new ranks)."""
     key = (kind, repr(cls), size)  # the student's class comes as a reference
     if key not in _runs:
+        # "gather pair" is one launch: its shards are read from its forward's
         _runs[key] = {(c, fwd): _launch(kind, cls, size, c, fwd)
-                      for c in cases(kind, size) for fwd in (False, True)}
+                      for c in cases(kind, size) for fwd in (False, True)
+                      if fwd or c != "gather pair"}
     found = _runs[key][(case, forward)]
     if isinstance(found, Exception):
         raise found
@@ -117,7 +130,7 @@ def _launch(kind, cls, size, case, forward):
         return launch.run(rank_case, size, kind, cls, case, forward, backend="gloo",
                           timeout=TIMEOUT)
     except launch.LaunchTimeout as exc:
-        if case != "pair":
+        if not grouped(case):
             return exc
         waits = "; ".join(f"rank {r} {w}" for r, w in sorted(exc.where.items()))
         return AssertionError(
@@ -125,11 +138,17 @@ def _launch(kind, cls, size, case, forward):
             f"({waits}). Pass group=group to every collective, and on a rank outside the group "
             f"return before any collective")
     except launch.RankError as exc:
-        if case == "pair" and exc.rank not in PAIR:
+        if grouped(case) and exc.rank not in PAIR:
             return AssertionError(
                 f"rank {exc.rank}, which is not in the group of ranks {list(PAIR)}, raised "
                 f"{exc.exc_type}: {exc.message}. On a rank outside the group, "
                 f"dist.get_rank(group) is -1: keep no shard and return at once")
+        if case == "gather pair":
+            return AssertionError(
+                f"rank {exc.rank} of {size}, gather_output=True on the group of ranks "
+                f"{list(PAIR)}: {exc.exc_type}: {exc.message}. The whole output is gathered "
+                f"over the group's ranks, each piece its shard: tp.shard_sizes(out_features, "
+                f"dist.get_world_size(group))")
         return exc
     except launch.LaunchError as exc:
         return exc
@@ -145,7 +164,7 @@ def expected(kind: str, case: str, size: int, rank: int) -> dict:
     wg, bg = linear.weight.grad, None if linear.bias is None else linear.bias.grad
     if kind == "column":
         return dict(weight=w.tensor_split(size, 0)[rank], bias=None if b is None else b.tensor_split(size)[rank],
-                    y=y.detach() if case == "gather" else y.detach().tensor_split(size, -1)[rank],
+                    y=y.detach() if gathers(case) else y.detach().tensor_split(size, -1)[rank],
                     x_grad=x.grad, weight_grad=wg.tensor_split(size, 0)[rank],
                     bias_grad=None if bg is None else bg.tensor_split(size)[rank],
                     rows=_span(OUT, size, rank), x=x.detach(), up=up, w_full=w, b_full=b)
@@ -162,7 +181,7 @@ def _span(n, size, rank):
 def members(case: str, out: list):
     """(rank, group size, rank in group, finding) of every member of the case's group."""
     for rank, found in enumerate(out):
-        if case != "pair":
+        if not grouped(case):
             yield rank, len(out), rank, found
         elif rank in PAIR:
             yield rank, len(PAIR), PAIR.index(rank), found
@@ -175,10 +194,10 @@ def each(kind, case, out):
 
 
 def where(kind, case, rank, size):
-    group = f"group of ranks {list(PAIR)} of {size}" if case == "pair" else f"{size} ranks"
+    group = f"group of ranks {list(PAIR)} of {size}" if grouped(case) else f"{size} ranks"
     bias = ", bias=False" if case == "no bias" else ""
     name = "ColumnParallelLinear" if kind == "column" else "RowParallelLinear"
-    options = (", group" if case == "pair" else "") + (", gather_output=True" if case == "gather" else "")
+    options = (", group" if grouped(case) else "") + (", gather_output=True" if gathers(case) else "")
     return f"{name}(nn.Linear({IN}, {OUT}{bias}){options}) on rank {rank}, {group}"
 
 
@@ -223,13 +242,13 @@ def check_output(kind, case, out):
         y = found["y"]
         assert y is not None, f"{what}: forward returned {found['y_type']}, not a tensor"
         if kind == "column":
-            if case != "gather" and gsize > 1 and allclose(y, expected(kind, "gather", gsize, grank)["y"]):
+            if not gathers(case) and gsize > 1 and allclose(y, expected(kind, "gather", gsize, grank)["y"]):
                 raise AssertionError(f"{what}: forward returned the whole output; without "
                                      f"gather_output each rank returns only its slice "
                                      f"(features {want['rows']})")
             expect_close(y, want["y"], f"{what}: the output (x @ weight.T + bias for this rank's "
                          f"features {want['rows']}" + (", all-gathered over the group in rank "
-                                                       "order)" if case == "gather" else ")"))
+                                                       "order)" if gathers(case) else ")"))
             continue
         b = want["b_full"]
         partial = torch.nn.functional.linear(want["x"].tensor_split(gsize, -1)[grank], want["weight"], b)
@@ -293,7 +312,7 @@ def check_communication(kind, case, out):
         backward = CommLog.from_records(found.get("backward", [])).events
         fwd, bwd = [e.op for e in forward], [e.op for e in backward]
         if kind == "column":
-            if case == "gather":
+            if gathers(case):
                 assert set(fwd) <= {"all_gather", "all_gather_into_tensor"}, (
                     f"{what}: forward called {fwd}; with gather_output only an all-gather of the "
                     f"output slices is needed")
@@ -351,7 +370,7 @@ def check_members(kind, case, out):
 def check_everything(kind, case, out):
     """Every check on one case: its members, then the ranks outside its group."""
     check_members(kind, case, out)
-    if case == "pair":
+    if grouped(case):
         check_non_members(kind, case, out)
 
 
@@ -374,4 +393,5 @@ def make_tests(kind: str, name: str) -> dict:
              "outside": test(check_non_members, ["pair"], sizes=[3, 4])}
     if kind == "column":
         tests["gather"] = test(check_everything, ["gather"])
+        tests["gather group"] = test(check_everything, ["gather pair"], sizes=[3])
     return tests
