@@ -1,6 +1,7 @@
 """An instructor's hidden tests (``--hidden-tests DIR``): they count for their exercise
-in the report and in nbgrader's gradebook, a file that is not one is an error naming it,
-and no graded rank can open them."""
+in the report (and in nbgrader's gradebook: tests/test_nbgrader.py), a file that is not
+one is an error naming it, and no graded rank can open them."""
+import functools
 import json
 import os
 import shutil
@@ -50,7 +51,7 @@ def test_hidden_no_answer(student):
 '''
 
 
-def _folder(parent: Path, files: dict[str, str]) -> Path:
+def hidden_folder(parent: Path, files: dict[str, str]) -> Path:
     folder = parent / "hidden"
     folder.mkdir(mode=0o755)
     folder.chmod(0o755)
@@ -60,27 +61,9 @@ def _folder(parent: Path, files: dict[str, str]) -> Path:
     return folder
 
 
+@functools.cache
 def _kit_points() -> int:
     return labs.test_counts(["all_reduce_mean"])["all_reduce_mean"][0]
-
-
-def test_hidden_tests_count_for_their_exercise_and_their_source_is_not_shown(tmp_path):
-    hidden = _folder(tmp_path, {"test_all_reduce_mean.py": PASSES,
-                                "test_all_reduce_mean_strict.py": FAILS})
-    report = tmp_path / "report.json"
-    run = subprocess.run([sys.executable, "-m", "distlab.grading",
-                          str(ROOT / "solutions" / f"{LAB}.ipynb"), "--hidden-tests",
-                          str(hidden), "--json", str(report)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    [got] = json.loads(report.read_text()).values()
-    kit = _kit_points()
-    result = got["all_reduce_mean"]
-    assert (result["points"], result["max"]) == (kit + 1, kit + 2), result
-    assert result["verdict"] == "partial", result
-    assert result["message"] == "test_hidden_no_answer: a check it fails", result
-    assert f"{kit + 1}/{kit + 2}" in run.stdout, run.stdout
-    assert SECRET not in run.stdout + run.stderr + report.read_text()
 
 
 @pytest.mark.parametrize("name, text, says", [
@@ -98,7 +81,7 @@ def test_hidden_tests_count_for_their_exercise_and_their_source_is_not_shown(tmp
 ])
 def test_a_hidden_file_that_is_not_one_is_an_error_naming_it(tmp_path, capsys, name, text,
                                                              says):
-    hidden = _folder(tmp_path, {name: text} if text is not None else {})
+    hidden = hidden_folder(tmp_path, {name: text} if text is not None else {})
     if text is None:
         target = tmp_path / "elsewhere.py"
         target.write_text(f'NOTEBOOK = "{LAB}"\n')
@@ -113,7 +96,7 @@ def test_a_hidden_file_that_is_not_one_is_an_error_naming_it(tmp_path, capsys, n
 
 
 def test_a_hidden_folder_inside_one_the_ranks_read_is_refused(tmp_path, capsys, monkeypatch):
-    hidden = _folder(tmp_path, {"test_all_reduce_mean.py": FAILS})
+    hidden = hidden_folder(tmp_path, {"test_all_reduce_mean.py": FAILS})
     monkeypatch.setattr(sandbox, "_readable_paths", lambda kit: [str(tmp_path.resolve())])
     code = cli.main([str(ROOT / "solutions" / f"{LAB}.ipynb"), "--hidden-tests",
                         str(hidden)])
@@ -151,62 +134,67 @@ def test_no_rank_reads_the_hidden_tests(student):
 '''
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="makes a world-readable folder under /var/lib")
-def test_a_graded_rank_cannot_open_the_hidden_tests(tmp_path):
-    """The instructor's folder, world-readable outside /tmp, and the grader's copy of it
-    (its TMPDIR outside /tmp too) are absent from the filesystem of the ranks that run the
-    student's code: a student function that lists and reads them finds nothing."""
-    if sandbox.confinement():
-        pytest.skip(f"graded ranks cannot be confined here: {sandbox.confinement()}")
-    outside = Path(tempfile.mkdtemp(prefix="distlab-hidden-test-", dir="/var/lib"))
-    try:
-        outside.chmod(0o755)
-        hidden = _folder(outside, {"test_all_reduce_mean.py": PEEKING_TEST.replace(
-            "FOLDER", str(outside / "hidden"))})
-        grader_tmp = outside / "tmp"
-        grader_tmp.mkdir(mode=0o755)
-        nb = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
-        [cell] = [c for c in nb.cells if notebook.grade_id(c) == "all_reduce_mean"]
-        cell.source += STUDENT_PEEKS
-        path = tmp_path / f"{LAB}.ipynb"
-        nbformat.write(nb, path)
-        report = tmp_path / "report.json"
-        run = subprocess.run([sys.executable, "-m", "distlab.grading", str(path),
-                              "--hidden-tests", str(hidden), "--json", str(report)],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env=dict(os.environ, TMPDIR=str(grader_tmp)))
+class TestOneGradingWithHiddenTests:
+    """Lab 00's solution graded once (one unit of make test's workers, tests/durations.py)
+    with hidden tests: one it passes, one it fails and, where graded ranks are confined,
+    one through which the student's code looks for the hidden tests."""
+
+    @pytest.fixture(scope="class")
+    def graded(self, tmp_path_factory):
+        """(the grader's run, its JSON report, whether the looking test is among them). As
+        root the instructor's folder is world-readable outside /tmp, and so is the grader's
+        TMPDIR; the student's cell adds a function that reads what it can of given paths."""
+        tmp = tmp_path_factory.mktemp("graded")
+        peeks = os.geteuid() == 0 and not sandbox.confinement()
+        outside = Path(tempfile.mkdtemp(prefix="distlab-hidden-test-", dir="/var/lib")) \
+            if peeks else tmp
+        try:
+            outside.chmod(0o755)
+            files = {"test_all_reduce_mean.py": PASSES, "test_all_reduce_mean_strict.py": FAILS}
+            env = None
+            if peeks:
+                files["test_all_reduce_mean_peek.py"] = PEEKING_TEST.replace(
+                    "FOLDER", str(outside / "hidden"))
+                (outside / "tmp").mkdir(mode=0o755)
+                env = dict(os.environ, TMPDIR=str(outside / "tmp"))
+            hidden = hidden_folder(outside, files)
+            nb = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
+            [cell] = [c for c in nb.cells if notebook.grade_id(c) == "all_reduce_mean"]
+            cell.source += STUDENT_PEEKS
+            path = tmp / f"{LAB}.ipynb"
+            nbformat.write(nb, path)
+            report = tmp / "report.json"
+            run = subprocess.run([sys.executable, "-m", "distlab.grading", str(path),
+                                  "--hidden-tests", str(hidden), "--json", str(report)],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=300,
+                                 env=env)
+            yield run, report, peeks
+        finally:
+            if peeks:
+                shutil.rmtree(outside)
+
+    def test_hidden_tests_count_for_their_exercise_and_their_source_is_not_shown(self, graded):
+        run, report, peeks = graded
         assert run.returncode == 0, run.stdout + run.stderr
         [got] = json.loads(report.read_text()).values()
+        kit = _kit_points()
         result = got["all_reduce_mean"]
-        assert result["points"] == result["max"] == _kit_points() + 1, result
-    finally:
-        shutil.rmtree(outside)
+        assert (result["points"], result["max"]) == (kit + 1 + peeks, kit + 2 + peeks), result
+        assert result["verdict"] == "partial", result
+        assert result["message"] == "test_hidden_no_answer: a check it fails", result
+        assert f"{kit + 1 + peeks}/{kit + 2 + peeks}" in run.stdout, run.stdout
+        assert SECRET not in run.stdout + run.stderr + report.read_text()
 
-
-def test_the_gradebook_gets_the_share_of_kit_and_hidden_tests_passed(tmp_path):
-    """`python -m distlab.grading.course COURSE --grade 00_setup --hidden-tests DIR`: the
-    solution's answer fails one hidden test; its autograder cell keeps its points and
-    scores the share of all the tests passed."""
-    pytest.importorskip("nbgrader")
-    from test_nbgrader import release
-
-    from distlab.grading import course
-    from nbgrader.api import Gradebook
-
-    released, points = release(tmp_path / "course", [LAB])
-    given = nbformat.read(released / "release" / LAB / f"{LAB}.ipynb", as_version=4)
-    solution = nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", as_version=4)
-    [cell] = [c for c in given.cells if notebook.grade_id(c) == "all_reduce_mean"]
-    cell.source = next(c.source for c in solution.cells
-                       if notebook.grade_id(c) == "all_reduce_mean")
-    path = released / "submitted" / "bob" / LAB / f"{LAB}.ipynb"
-    path.parent.mkdir(parents=True)
-    nbformat.write(given, path)
-    hidden = _folder(tmp_path, {"test_all_reduce_mean_extra.py": FAILS})
-    assert course.main([str(released), "--grade", LAB, "--hidden-tests", str(hidden)]) == 0
-    full = points["all_reduce_mean"]
-    with Gradebook(f"sqlite:///{released / 'gradebook.db'}") as gb:
-        graded = gb.find_submission(LAB, "bob")
-        score, max_score = graded.score, graded.max_score
-    assert max_score == full
-    assert score == pytest.approx(round(full * full / (full + 1), 3)), (score, full)
+    def test_a_graded_rank_cannot_open_the_hidden_tests(self, graded):
+        """The instructor's folder and the grader's copy of it are absent from the
+        filesystem of the ranks that run the student's code: the student's function that
+        lists and reads them finds nothing (the hidden test that fails is the only one)."""
+        run, report, peeks = graded
+        if not peeks:
+            pytest.skip("as root only (a world-readable folder under /var/lib), where graded "
+                        f"ranks are confined: {sandbox.confinement() or 'not root'}")
+        assert run.returncode == 0, run.stdout + run.stderr
+        [got] = json.loads(report.read_text()).values()
+        result, kit = got["all_reduce_mean"], _kit_points()
+        assert (result["points"], result["max"]) == (kit + 2, kit + 3) \
+            and result["message"] == "test_hidden_no_answer: a check it fails", result

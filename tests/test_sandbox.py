@@ -53,7 +53,7 @@ def test_nothing_a_contained_command_started_outlives_it(monkeypatch, tmp_path, 
         script.write_text(_SPAWN)
         code, out = sandbox.run_contained([sys.executable, str(script), mark, ending],
                                           env=dict(os.environ), cwd=tmp_path,
-                                          timeout=10 if ending == "hang" else 60)
+                                          timeout=4 if ending == "hang" else 60)
     finally:
         sandbox.containment.cache_clear()
     assert "spawned" in out

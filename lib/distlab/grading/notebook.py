@@ -192,12 +192,22 @@ def release(nb):
     return out
 
 
+def is_test_cell(cell) -> bool:
+    """An nbgrader test cell (graded, no solution), such as the autograder cell that
+    :mod:`distlab.grading.course` adds after each exercise: the kit's code, not the
+    student's."""
+    meta = cell.get("metadata", {}).get("nbgrader", {})
+    return isinstance(meta, dict) and bool(meta.get("grade")) and not meta.get("solution")
+
+
 def imports(nb) -> list[str]:
-    """The top-level import statements of every code cell (the prelude of an exercise
-    module, so that exercise cells may use what the notebook imported)."""
+    """The top-level import statements of every code cell but nbgrader's test cells (the
+    prelude of an exercise module, so that exercise cells may use what the notebook
+    imported; the autograder cell's import of the grader would cost every graded rank
+    seconds)."""
     found: dict[str, None] = {}  # in order, each once: linear in the notebook's size
     for cell in nb.cells:
-        if cell.cell_type != "code":
+        if cell.cell_type != "code" or is_test_cell(cell):
             continue
         try:
             tree = ast.parse(_strip_magics(cell.source))
