@@ -69,6 +69,10 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     # lab 10: the casts (re-exported by distlab.fp8) are the exercise's own few lines
     "fp8_linear": tuple(f"distlab.fp8.scaling:{n}" for n in (
         "amax", "scale_for", "cast", "dequantize", "quantize", "round_trip", "DelayedScaling")),
+    # lab 12: the rule over every rank's flight record; the quorum's commit rule and rejoin
+    # (the quorum, its collectives and its vote, distlab.resilience.quorum, are not answers)
+    "first_divergence": ("distlab.resilience.divergence:first_divergence",),
+    "fault_tolerant_step": ("distlab.resilience.recovery:fault_tolerant_step",),
 }
 
 REFUSAL = "this is the library's answer to the exercise being graded"
@@ -87,7 +91,9 @@ PRELOADS = frozenset((
     "distlab.collectives.ring_traffic", "distlab.comm", "distlab.cp", "distlab.cp.layout",
     "distlab.data", "distlab.dp", "distlab.dp.channels", "distlab.fp8", "distlab.grading",
     "distlab.launch", "distlab.mesh", "distlab.model", "distlab.moe", "distlab.moe.router",
-    "distlab.planner", "distlab.pp", "distlab.shards", "distlab.tp", "distlab.train",
+    "distlab.planner", "distlab.pp", "distlab.resilience",
+    "distlab.resilience.failures", "distlab.resilience.flight", "distlab.resilience.quorum",
+    "distlab.resilience.replicas", "distlab.resilience.sdc", "distlab.shards", "distlab.tp", "distlab.train",
     "distlab.units", "distlab.viz", "distlab.viz.bandwidth", "distlab.viz.fp8",
     "distlab.viz.pipeline", "distlab.viz.planner", "distlab.viz.ring", "distlab.viz.timeline",
     "distlab.viz.tp", "distlab.viz.training", "distlab.viz.zero", "distlab.zero",
