@@ -2,7 +2,9 @@
 the library's ring attention equals whole-sequence attention (outputs and gradients,
 fp64, both layouts, causal and not, an uneven length) with W-1 K/V sends forward and
 the block counts of each layout; Ulysses equals it too and refuses a degree that does
-not divide the heads. One launch at 3 ranks (uneven everything), one at 2 for Ulysses."""
+not divide the heads; Llama 3's all-gather CP equals it at W = 1..4 (GQA, causal and
+document masks) with one all-gather forward and one reduce-scatter backward. One launch at
+3 ranks (uneven everything), one at 2 for Ulysses, one per W for the all-gather."""
 import sys
 
 import cloudpickle
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from distlab import launch
 from distlab.comm import SENDS, CommLog
 from distlab.cp import causal_pairs, positions, ring_attention, shard, ulysses_attention, unshard
+from distlab.cp.allgather import allgather_attention, visible
 from distlab.cp.layout import bounds
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
@@ -151,3 +154,71 @@ def test_the_benchs_accuracy_goal_is_one_bf16_step():
     assert bench.goal_misses([row]) == []
     assert bench.goal_misses([{**row, "error": 2.0 ** -7}]) == [
         "8 tokens: bf16 error 7.81e-03 above one bf16 step (3.91e-03)"]
+
+
+def documents_of(n):
+    """Three documents, the last the longest: the document mask of Llama 3's data."""
+    return torch.tensor([0] * (n // 5) + [1] * (n // 5) + [2] * (n - 2 * (n // 5)))
+
+
+AG_CASES = [(layout, causal, docs, kv_heads) for layout in ("contiguous", "zigzag")
+            for causal, docs, kv_heads in ((False, False, 4), (True, False, 2), (True, True, 1),
+                                           (False, True, 4))]
+
+
+def allgather_cases(n):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for layout, causal, docs, kv_heads in AG_CASES:
+        q, k, v, do = (shard(t, world, rank, layout) for t in whole(n))
+        q, k, v = (t.clone().requires_grad_() for t in (q, k[:, :kv_heads], v[:, :kv_heads]))
+        with CommLog() as log:
+            o = allgather_attention(q, k, v, n, causal=causal, layout=layout,
+                                    documents=documents_of(n) if docs else None)
+            o.backward(do)
+        out.append((o.detach(), q.grad, k.grad, v.grad,
+                    [(e.op, e.nbytes) for e in log.select()]))
+    return out
+
+
+def allgather_reference(n, causal, docs, kv_heads):
+    """One process: the whole sequence, K/V heads shared by groups of query heads."""
+    q, k, v, do = whole(n)
+    k, v = (t[:, :kv_heads].clone().requires_grad_() for t in (k, v))
+    q.requires_grad_()
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        mask = mask.tril()
+    if docs:
+        d = documents_of(n)
+        mask &= d[:, None] == d[None, :]
+    group = q.shape[1] // kv_heads
+    o = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                       v.repeat_interleave(group, 1), attn_mask=mask)
+    o.backward(do)
+    return o.detach(), q.grad, k.grad, v.grad
+
+
+def test_allgather_attention_is_whole_sequence_attention_with_one_gather_each_way():
+    """W = 1..4, 4W+1 tokens (uneven chunks), GQA, causal and document masks: outputs and
+    gradients of one process's attention; one all-gather of K and V forward, one
+    reduce-scatter of their gradients backward, each W x the longest shard."""
+    for world in (1, 2, 3, 4):
+        n = 4 * world + 1
+        runs = launch.run(allgather_cases, world, n, backend="gloo", timeout=60)
+        for i, (layout, causal, docs, kv_heads) in enumerate(AG_CASES):
+            want = allgather_reference(n, causal, docs, kv_heads)
+            for got, w in zip(zip(*[r[i][:4] for r in runs]), want):
+                torch.testing.assert_close(unshard(list(got), layout), w, **TOL)
+            longest = max(positions(n, world, r, layout).numel() for r in range(world))
+            kv_bytes = world * 2 * kv_heads * longest * 2 * 3 * 8
+            calls = [] if world == 1 else [("all_gather_into_tensor", kv_bytes),
+                                           ("reduce_scatter_tensor", kv_bytes)]
+            assert all(r[i][4] == calls for r in runs), (world, runs[0][i][4])
+
+
+def test_allgather_attention_refuses_heads_that_do_not_group():
+    q, k, v, _ = whole(5)
+    with pytest.raises(ValueError, match="multiple of H_kv"):
+        allgather_attention(q, k[:, :3], v[:, :3], 5)
+    assert visible(torch.arange(3), torch.arange(3), causal=False) is None

@@ -1,5 +1,6 @@
 """distlab.fp8 (formats, scalings, the sharded amax rule) and distlab.bench.fp8's judging,
-table and figure, plus its torchao code path emulated on the CPU at a tiny size."""
+table and figure, plus its torchao code path emulated on the CPU at a tiny size; the
+scaling groups (tensorwise to 128x128 blocks) and the narrow accumulator, emulated."""
 import json
 import math
 
@@ -10,6 +11,8 @@ import torch.distributed as dist
 from distlab import fp8, launch
 from distlab.bench import fp8 as bench
 from distlab.comm import CommLog
+from distlab.fp8.accumulate import limited_matmul, round_significand
+from distlab.fp8.groups import grouped_round_trip
 
 
 def test_the_formats_range_and_precision_come_from_finfo():
@@ -196,3 +199,48 @@ def test_torchaos_tensorwise_recipe_is_the_exercises_contract():
                       (layer[0].weight.grad,
                        fp8.round_trip(dy, "e5m2").t() @ fp8.round_trip(xd, "e4m3"))):
         assert torch.allclose(got.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_each_grouping_is_a_rowwise_cast_of_its_groups():
+    """Tensorwise, rowwise, 1x128 and 128x128 (DeepSeek-V3, section 3.3.2) equal the
+    casts done group by group; an outlier channel costs its own groups only."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 256, generator=g)
+    x[:, 17] = 1e5                                       # an outlier channel
+    for rows, cols in ((None, None), (1, None), (1, 128), (128, 128)):
+        got = grouped_round_trip(x, rows, cols)
+        r, c = rows or 256, cols or 256
+        for i in range(0, 256, r):
+            for j in range(0, 256, c):
+                block = x[i:i + r, j:j + c]
+                want = fp8.round_trip(block.reshape(1, -1), "e4m3").reshape(block.shape)
+                assert torch.equal(got[i:i + r, j:j + c], want), (rows, cols, i, j)
+    far = x[:, 128:]                                     # the tile without the channel
+    assert fp8.sqnr(far, grouped_round_trip(x, 1, 128)[:, 128:]) > 30
+    assert fp8.sqnr(far, grouped_round_trip(x, 1, None)[:, 128:]) < 25
+    with pytest.raises(ValueError, match="do not tile"):
+        grouped_round_trip(x, 100, 128)
+
+
+def test_a_narrow_accumulator_loses_what_promotion_every_128_keeps():
+    """DeepSeek-V3, section 3.3.2: a 14-bit accumulator over K = 4096 errs far more than
+    one promoted to float32 every 128 elements; with 52 bits it is float64's sum."""
+    assert float(round_significand(torch.tensor(1 + 2.0 ** -15, dtype=torch.float64), 14)) == 1.0
+    assert float(round_significand(torch.tensor(1 + 2.0 ** -14, dtype=torch.float64), 14)) \
+        == 1 + 2.0 ** -14
+    assert float(round_significand(torch.tensor(1 - 2.0 ** -17, dtype=torch.float64), 14,
+                                   "zero")) == 1 - 2.0 ** -15
+    g = torch.Generator().manual_seed(0)
+    a = torch.rand(4, 4096, generator=g).to(torch.float8_e4m3fn).double()
+    b = torch.rand(4096, 4, generator=g).to(torch.float8_e4m3fn).double()
+    exact = a @ b
+
+    def error(y):
+        return float((y - exact).norm() / exact.norm())
+
+    narrow, promoted = limited_matmul(a, b, 14, rounding="zero"), \
+        limited_matmul(a, b, 14, promote_every=128, rounding="zero")
+    assert error(narrow) > 0.005 and error(promoted) < error(narrow) / 20
+    assert error(limited_matmul(a, b, 52)) < 1e-15
+    with pytest.raises(ValueError, match="rounding"):
+        round_significand(exact, 14, "up")

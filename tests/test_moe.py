@@ -2,7 +2,8 @@
 the MoE layer sums the kept experts' weighted outputs; the MoE GPT's experts spread over
 2 and 4 ranks (expert_parallel, sync_gradients) train exactly like one process (fp64,
 no capacity, so that the ranks' local capacities cannot differ); with a capacity each
-rank's output is one process's on its own tokens; bad layouts are refused."""
+rank's output is one process's on its own tokens; bad layouts are refused; DeepSeek-V3's
+balance bias moves the choice of experts, not their weights, and evens a skewed load."""
 import sys
 
 import cloudpickle
@@ -18,8 +19,8 @@ from distlab.data import NGramLanguage
 from distlab.model import config
 from distlab.moe import (capacity, expert_parallel, load_balancing_loss, moe_gpt,
                          moe_layers, route, sync_gradients)
-from distlab.moe.layer import combine_local
-from distlab.moe.router import kept
+from distlab.moe.layer import MoE, combine_local
+from distlab.moe.router import balance_bias_step, kept
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks get these helpers by value
 
@@ -135,3 +136,41 @@ def refuse():
 
 def test_experts_that_do_not_split_evenly_are_refused():
     assert all("multiple of 2" in r for r in launch.run(refuse, 2, backend="gloo"))
+
+
+def test_the_loss_free_bias_moves_the_choice_not_the_weights():
+    """DeepSeek-V3, section 2.1.2: the bias picks the experts, the unbiased probabilities
+    weight them, and after a step an overloaded expert's bias falls by the speed, an
+    underloaded one's rises, one at the mean stays."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.5, 0.0, 5.0, 1.0]], requires_grad=True)
+    probs = torch.softmax(logits, -1)
+    r = route(logits, 2, bias=torch.tensor([0.0, 0.0, -1.0, 0.0]))
+    assert r.expert_ids.tolist() == [[0, 1], [3, 0]]
+    torch.testing.assert_close(r.weights, probs.gather(1, r.expert_ids))
+    r.weights.sum().backward()
+    assert logits.grad.abs().sum() > 0
+    bias = balance_bias_step(torch.zeros(4), torch.tensor([5, 1, 3, 3]), 0.01)
+    torch.testing.assert_close(bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+
+
+def test_a_layer_with_the_bias_steers_its_load_toward_even():
+    """An MoE layer whose router sends most tokens to expert 0: the bias, moved after each
+    step, brings every expert within 20 % of the even share; the bias-free layer has no
+    bias to move."""
+    g = torch.Generator().manual_seed(0)
+    layer = MoE(CFG, 4, k=1, capacity_factor=None, bias_speed=0.02)
+    x = torch.randn(256, CFG.d_model, generator=g)
+    x[:, 0] = x[:, 0].abs() + 0.5
+    with torch.no_grad():
+        layer.router.weight.copy_(torch.randn(4, CFG.d_model, generator=g))
+        layer.router.weight[0, 0] = 3.0          # expert 0 first for most tokens
+    loads = []
+    for _ in range(30):
+        layer(x)
+        loads.append(torch.bincount(layer.last_ids.reshape(-1), minlength=4))
+        layer.update_bias()
+    assert loads[0].max() > 128
+    assert all(((load - 64).abs() <= 0.2 * 64).all() for load in loads[-5:])
+    assert layer.balance_bias[0] < 0
+    with pytest.raises(ValueError, match="bias_speed"):
+        MoE(CFG, 4).update_bias()

@@ -13,14 +13,17 @@ heads and features) nor PP (it splits layers) divides.
   blocks travelling around the ring, forward and backward (Liu et al. 2023), either
   layout (lab 10's exercise: :mod:`~distlab.cp.ring` holds only that answer);
 - :func:`~distlab.cp.ulysses.ulysses_attention`: DeepSpeed-Ulysses' two all-to-alls
-  (sequence-sharded to head-sharded and back).
+  (sequence-sharded to head-sharded and back);
+- :func:`~distlab.cp.allgather.allgather_attention`: Llama 3's method, K and V
+  all-gathered once per layer (grouped-query attention, document masks).
 
 This is lab 10's counterpart of :mod:`distlab.tp`. The planner (:mod:`distlab.planner`)
-has no cp dimension yet.
+prices a cp degree with Llama 3's all-gathers.
 """
+from distlab.cp.allgather import allgather_attention
 from distlab.cp.layout import LAYOUTS, causal_pairs, positions, ring_neighbours, shard, unshard
 from distlab.cp.ring import ring_attention
 from distlab.cp.ulysses import ulysses_attention
 
-__all__ = ["LAYOUTS", "causal_pairs", "positions", "ring_attention", "ring_neighbours", "shard",
-           "ulysses_attention", "unshard"]
+__all__ = ["LAYOUTS", "allgather_attention", "causal_pairs", "positions", "ring_attention",
+           "ring_neighbours", "shard", "ulysses_attention", "unshard"]

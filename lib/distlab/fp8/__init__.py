@@ -28,6 +28,12 @@ process's tensor cast. All-reduced with MAX over the group first (``group=``), e
 rank uses the whole tensor's amax, and the sharded cast equals the unsharded one bit
 for bit: a cast is elementwise once the scale is fixed.
 
+Finer groups: :mod:`~distlab.fp8.groups` gives any ``rows x cols`` grouping one scale per
+group (DeepSeek-V3's 1x128 activation tiles and 128x128 weight blocks), as a rowwise cast
+of the groups. The accumulator: :mod:`~distlab.fp8.accumulate` emulates a matrix
+product's sum kept to about 14 bits, as DeepSeek-V3 measured on H800 GPUs, and its fix,
+promotion to float32 every 128 elements.
+
 The casts (:mod:`~distlab.fp8.scaling`) are lab 10's exercise ``fp8_linear``: that module
 holds only answers.
 """

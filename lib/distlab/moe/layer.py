@@ -21,15 +21,18 @@ import torch.nn as nn
 
 from distlab.model import GPT, MLP, GPTConfig
 from distlab.moe.router import capacity as capacity_of
-from distlab.moe.router import kept, load_balancing_loss, route
+from distlab.moe.router import balance_bias_step, kept, load_balancing_loss, route
 
 
 class MoE(nn.Module):
-    """``MoE(cfg, num_experts, k=2, capacity_factor=1.25)``: (..., d_model) → same shape.
-    After each forward, ``aux_loss`` holds the load-balancing loss of that batch."""
+    """``MoE(cfg, num_experts, k=2, capacity_factor=1.25, bias_speed=None)``: (...,
+    d_model) → same shape. After each forward, ``aux_loss`` holds the load-balancing loss
+    of that batch. With ``bias_speed``, the layer keeps DeepSeek-V3's balance bias
+    (the buffer ``balance_bias``, used for the choice of experts only), which
+    :meth:`update_bias` moves after each step."""
 
     def __init__(self, cfg: GPTConfig, num_experts: int, k: int = 2,
-                 capacity_factor: float | None = 1.25):
+                 capacity_factor: float | None = 1.25, bias_speed: float | None = None):
         super().__init__()
         if not 1 <= k <= num_experts:
             raise ValueError(f"k = {k} experts per token of {num_experts}: choose 1 <= k <= "
@@ -40,14 +43,27 @@ class MoE(nn.Module):
         self.dispatch = combine_local
         self.aux_loss = None
         self.last_ids = None
+        self.bias_speed = bias_speed
+        self.register_buffer("balance_bias",
+                             None if bias_speed is None else torch.zeros(num_experts))
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
-        r = route(self.router(flat), self.k)
+        r = route(self.router(flat), self.k, self.balance_bias)
         self.aux_loss = load_balancing_loss(r.probs, r.expert_ids)
         self.last_ids = r.expert_ids.detach()
         cap = capacity_of(flat.shape[0], self.num_experts, self.k, self.capacity_factor)
         return self.dispatch(flat, r.expert_ids, r.weights, self.experts, cap).reshape(x.shape)
+
+    def update_bias(self, counts: torch.Tensor | None = None) -> None:
+        """After a step: :func:`~distlab.moe.router.balance_bias_step` on ``counts``, the
+        assignments per expert of the whole step's batch (default: the last forward's;
+        with several data-parallel or expert-parallel ranks, pass their sum)."""
+        if self.balance_bias is None:
+            raise ValueError("this MoE layer has no balance bias: build it with bias_speed")
+        if counts is None:
+            counts = torch.bincount(self.last_ids.reshape(-1), minlength=self.num_experts)
+        self.balance_bias = balance_bias_step(self.balance_bias, counts, self.bias_speed)
 
 
 def combine_local(x, expert_ids, weights, experts, capacity=None):
@@ -62,13 +78,13 @@ def combine_local(x, expert_ids, weights, experts, capacity=None):
 
 
 def moe_gpt(cfg: GPTConfig, num_experts: int, k: int = 2, every: int = 2,
-            capacity_factor: float | None = 1.25) -> GPT:
+            capacity_factor: float | None = 1.25, bias_speed: float | None = None) -> GPT:
     """The kit's GPT with the MLP of blocks ``every-1, 2·every-1, ...`` an :class:`MoE`
     (initialised as the GPT initialises its MLPs)."""
     model = GPT(cfg)
     for i, block in enumerate(model.blocks):
         if i % every == every - 1:
-            block.mlp = MoE(cfg, num_experts, k, capacity_factor)
+            block.mlp = MoE(cfg, num_experts, k, capacity_factor, bias_speed)
             block.mlp.apply(GPT._init)
     return model
 

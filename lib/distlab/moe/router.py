@@ -13,6 +13,12 @@ which weight, how many an expert may take, and the loss that keeps them balanced
 * :func:`load_balancing_loss`: Switch's auxiliary loss ``E · sum_e f_e P_e``, f_e the
   fraction of the assignments that went to expert e and P_e its mean probability; 1 when
   the load is even, E when one expert takes everything.
+* the auxiliary-loss-free balance of DeepSeek-V3 (its technical report, section 2.1.2):
+  a bias per expert, added to the scores for the top-k choice only (:func:`route`'s
+  ``bias``; the weights stay the unbiased probabilities), lowered by ``speed`` after a
+  step in which its expert was overloaded and raised by ``speed`` when it was
+  underloaded (:func:`balance_bias_step`). No gradient flows through it. DeepSeek-V3
+  scores with sigmoid affinities; here the bias shifts the softmax's probabilities.
 """
 from __future__ import annotations
 
@@ -30,14 +36,27 @@ class Routing:
     probs: torch.Tensor        # (N, E) the router's softmax
 
 
-def route(logits: torch.Tensor, k: int) -> Routing:
-    """Top-``k`` routing of (N, E) router logits."""
+def route(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> Routing:
+    """Top-``k`` routing of (N, E) router logits; with ``bias`` (E,), the top k of
+    ``probs + bias`` are chosen, weighted by their unbiased probabilities."""
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"k = {k} experts per token, but there are {logits.shape[-1]}: "
                          f"choose 1 <= k <= {logits.shape[-1]}")
     probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-    weights, ids = probs.topk(k, dim=-1)
+    if bias is None:
+        weights, ids = probs.topk(k, dim=-1)
+    else:
+        ids = (probs.detach() + bias.to(probs.dtype)).topk(k, dim=-1).indices
+        weights = probs.gather(-1, ids)
     return Routing(ids, weights, probs)
+
+
+def balance_bias_step(bias: torch.Tensor, counts: torch.Tensor, speed: float) -> torch.Tensor:
+    """DeepSeek-V3's update after a step (section 2.1.2): ``bias`` lowered by ``speed``
+    for each expert whose assignments ``counts`` (E,) exceed the mean, raised by
+    ``speed`` for each below it, unchanged at the mean (a new tensor)."""
+    counts = counts.to(bias.dtype)
+    return bias + speed * torch.sign(counts.mean() - counts)
 
 
 def capacity(num_tokens: int, num_experts: int, k: int, factor: float | None) -> int | None:
