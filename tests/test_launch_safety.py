@@ -17,11 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pid_guard import SITECUSTOMIZE as _GUARD
+from pid_guard import SETTLE, run_guarded
 
 from distlab import launch
 from distlab.comm import StatusBoard
-from distlab.grading import sandbox
 from distlab.runtime import pool as pool_module
 from distlab.runtime.forkserver import ForkServer, ForkServerError
 
@@ -59,32 +58,7 @@ outs = []
 for p in procs:
     out, err = p.communicate(timeout=240)
     outs.append({"code": p.returncode, "out": out.strip(), "err": err[-2000:]})
-def others():
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                found.append(open(f"/proc/{entry}/cmdline", "rb").read().replace(b"\\0", b" ").decode())
-            except OSError:
-                pass
-    return found
-
-
-# a fork server exits when its launcher's socket closes, which it sees once it is done
-# with what it was doing (its imports at start or its idle warm-up: tens of seconds on a
-# machine loaded past its cores)
-deadline = time.monotonic() + 60
-while True:
-    while True:  # as the init of a PID namespace, reap what was re-parented to us
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-    left = others()
-    if not left or time.monotonic() > deadline:
-        break
-    time.sleep(0.2)
+""" + SETTLE + """
 print(json.dumps({"trials": outs, "left": left, "pid": os.getpid()}))
 """
 
@@ -93,19 +67,9 @@ def test_interrupting_the_cold_launch_at_any_moment_never_signals_pid_1(tmp_path
     """Ctrl-C while the fork server starts, forks, or answers: later launches work and
     nothing ever signals PID <= 1 (the defect: a reply left unread made a later launch
     take PID 1 for a rank and SIGKILL it)."""
-    (tmp_path / "guard").mkdir()
-    (tmp_path / "guard" / "sitecustomize.py").write_text(_GUARD)
-    (tmp_path / "trial.py").write_text(_TRIAL)
-    (tmp_path / "driver.py").write_text(_DRIVER)
-    log = tmp_path / "signals.log"
-    env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
-        [str(tmp_path / "guard")] + [p for p in sys.path if p]))
     delays = ["0.05", "0.3", "0.6", "0.9", "1.3", "2.0", "3.0"]
-    cmd = [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "trial.py"), *delays]
-    namespace = sandbox.containment() == "pidns"
-    if namespace:
-        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done, namespace, log = run_guarded(tmp_path, {"trial.py": _TRIAL, "driver.py": _DRIVER},
+                                       ["driver.py", tmp_path / "trial.py", *delays], 300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert not log.exists(), f"a signal to PID <= 1 was attempted:\n{log.read_text()}"
@@ -172,16 +136,7 @@ def test_a_fork_server_forked_from_its_launcher_keeps_nothing_of_it(tmp_path):
     (``ForkServer.forked``): the server keeps only its socket and the standard three of
     the launcher's descriptors, leads a session of its own, forks ranks, exits when its
     socket closes, and is refused in a process that runs another Python thread."""
-    (tmp_path / "guard").mkdir()
-    (tmp_path / "guard" / "sitecustomize.py").write_text(_GUARD)
-    (tmp_path / "prefork.py").write_text(_PREFORK)
-    log = tmp_path / "signals.log"
-    env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
-        [str(tmp_path / "guard")] + [p for p in sys.path if p]))
-    cmd = [sys.executable, str(tmp_path / "prefork.py")]
-    if sandbox.containment() == "pidns":
-        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    done, _, log = run_guarded(tmp_path, {"prefork.py": _PREFORK}, ["prefork.py"], 120)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert not log.exists(), f"a signal to PID <= 1 was attempted:\n{log.read_text()}"

@@ -4,18 +4,15 @@ SIGKILL in the middle of an all-reduce, run inside a PID namespace (as root) wit
 guard that refuses, and records, any signal to PID <= 1."""
 import json
 import math
-import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pid_guard import SITECUSTOMIZE as _GUARD
+from pid_guard import SETTLE, run_guarded
 
-from distlab.grading import sandbox
 from distlab.resilience import daly_interval, failures, flight, goodput, mtbf_s, sdc, young_interval
 
 EXERCISES = Path(__file__).resolve().parents[1] / "lib" / "distlab" / "grading" / "exercises"
@@ -94,18 +91,7 @@ _DRIVER = """
 import json, os, subprocess, sys, time
 done = subprocess.run([sys.executable, sys.argv[1], sys.argv[2]], capture_output=True, text=True,
                       timeout=240)
-deadline = time.monotonic() + 60
-while True:
-    while True:  # as the init of a PID namespace, reap what was re-parented to us
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
-    left = [e for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()]
-    if not left or time.monotonic() > deadline:
-        break
-    time.sleep(0.2)
+""" + SETTLE + """
 print(json.dumps({"code": done.returncode, "out": done.stdout.strip(), "err": done.stderr[-3000:],
                   "pid": os.getpid(), "left": left}))
 """
@@ -115,18 +101,8 @@ def test_a_replica_killed_mid_all_reduce_is_survived_and_nothing_outlives_it(tmp
     """Two replicas: the second dies by SIGKILL in step 1's all-reduce, the first keeps
     training, a replacement rejoins bit for bit; in a PID namespace nothing is left
     after, and no process signalled PID <= 1."""
-    (tmp_path / "guard").mkdir()
-    (tmp_path / "guard" / "sitecustomize.py").write_text(_GUARD)
-    (tmp_path / "trial.py").write_text(_TRIAL)
-    (tmp_path / "driver.py").write_text(_DRIVER)
-    log = tmp_path / "signals.log"
-    env = dict(os.environ, DISTLAB_GUARD_LOG=str(log), PYTHONPATH=os.pathsep.join(
-        [str(tmp_path / "guard")] + [p for p in sys.path if p]))
-    cmd = [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "trial.py"), str(EXERCISES)]
-    namespace = sandbox.containment() == "pidns"
-    if namespace:
-        cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done, namespace, log = run_guarded(tmp_path, {"trial.py": _TRIAL, "driver.py": _DRIVER},
+                                       ["driver.py", tmp_path / "trial.py", EXERCISES], 300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["code"] == 0, report["err"]
