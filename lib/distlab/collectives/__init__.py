@@ -7,6 +7,8 @@
 - :mod:`~distlab.collectives.broadcast_model`: its cost model, and its fit to measured times;
 - :mod:`~distlab.collectives.bandwidth`: nccl-tests' bus bandwidth of a collective;
 - :mod:`~distlab.collectives.ps`: a parameter server over broadcast and reduce;
+- :mod:`~distlab.collectives.ps_sharded`: the parameter sharded over every rank (push a
+  reduce-scatter, pull an all-gather), and SGD on stale parameters (bounded delay);
 - :mod:`~distlab.collectives.nccl_raw`: NCCL's C API through ``cupy.cuda.nccl`` (GPU only);
 - :mod:`~distlab.collectives.p2p_check`: NCCL's point-to-point rules, checked on a CPU.
 """
