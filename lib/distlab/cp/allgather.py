@@ -55,9 +55,10 @@ def allgather_attention(q, k, v, seq_len: int, group=None, *, causal: bool = Fal
         kv = _GatherKV.apply(kv, sizes, group)
     keys = torch.cat([positions(seq_len, world, r, layout) for r in range(world)])
     kk, vv = kv.repeat_interleave(q.shape[1] // k.shape[1], dim=1).split(q.shape[-1], dim=-1)
-    mask = visible(mine, keys, causal, documents)
-    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask.to(q.device)
-                                          if mask is not None else None)
+    # the mask built where attention runs: (T_r, T) elements, seconds on a host at 32K
+    mask = visible(mine.to(q.device), keys.to(q.device), causal,
+                   None if documents is None else documents.to(q.device))
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
 
 
 def visible(queries: torch.Tensor, keys: torch.Tensor, causal: bool,
