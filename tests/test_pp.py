@@ -490,3 +490,33 @@ def test_the_bench_runs_on_cpu_beside_torchs_pipelining(tmp_path, capsys):
               dict(rows[("1f1b", 1)], torch_error="TypeError: an API changed")]
     misses = pp_bench.goal_misses(judged)
     assert len(misses) == 2 and "GPipe, m = 4" in misses[0] and "API changed" in misses[1]
+
+
+def _runner_as_run_stage(stage, table, inputs, targets, group=None):
+    """The library's runtime in the shape of lab 07's exercise, run_stage."""
+    from distlab import pp
+    return pp.PipelineRunner(stage, table, group).step(inputs, targets)
+
+
+def test_the_bench_times_a_students_run_stage_and_schedules(tmp_path, capsys):
+    """Lab 07's GPU cell hands the bench the student's run_stage and schedule functions
+    (the library's runtime is lab 07's answer, absent from the edition it runs in): the
+    bench times those, its timelines from traced_step, and leaves torch's side out."""
+    import json
+
+    from distlab import pp
+    from distlab.bench import pp as pp_bench
+
+    assert pp_bench.main(["--out", str(tmp_path), "--model", "test", "--vocab-size", "13",
+                          "--batch-size", "4", "--seq-len", "8", "--dtype", "fp32",
+                          "--microbatches", "1,4", "--schedules", "gpipe", "--steps", "1",
+                          "--warmup", "0", "--backend", "gloo"],
+                         run_stage=_runner_as_run_stage,
+                         tables={"gpipe": pp.one_f_one_b_schedule}) == 0  # the table handed in
+    rows = json.loads((tmp_path / "pp_bench.json").read_text())["rows"]
+    assert [(r["schedule"], r["m"]) for r in rows] == [("gpipe", 1), ("gpipe", 4)]
+    for r in rows:
+        assert r["vs_torch"] is None and r["torch_error"] is None and r["step_ms"] > 0
+        assert {e["kind"] for e in r["timeline"]} >= {"F", "B"}
+    assert rows[1]["peak_live"] == [2, 1]  # 1F1B's, not GPipe's [4, 4]: the given table ran
+    assert "n/a" in capsys.readouterr().out

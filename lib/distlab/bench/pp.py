@@ -84,11 +84,15 @@ def torch_pipeline(stage, name: str, m: int, device):
 
 
 def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[int],
-            schedules: list[str], steps: int, warmup: int) -> list[dict]:
+            schedules: list[str], steps: int, warmup: int, run_stage=None,
+            tables=None) -> list[dict]:
     """On each rank (one stage each): every (schedule, m), trained ``warmup + steps``
     steps with our runtime, then ``warmup`` steps of torch's pipelining and ``steps``
     rounds of one step of each. Returns one row per configuration with this stage's
-    figures."""
+    figures. With ``run_stage`` (lab 07's exercise's contract) and ``tables`` (schedule
+    name → its table function, ``(p, m) -> table``), "ours" is that function on those
+    tables, timed by :func:`distlab.pp.traced_step`, and torch's pipelining is not run:
+    its side sums the tied weight's gradient with the library's runtime, lab 07's answer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     device = backend.device()
     cuda = device.type == "cuda"
@@ -103,11 +107,20 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
         torch.manual_seed(0)
         with torch.device(device):  # initialised in place: faster on a GPU than on the host
             stage = pp.Stage(GPT(cfg), rank, world)
-        runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m))
+        last = {}
+        if run_stage is None:
+            runner = pp.PipelineRunner(stage, pp.build_schedule(name, world, m))
 
-        def ours():
-            with autocast:
-                runner.step(inputs, targets)
+            def ours():
+                with autocast:
+                    runner.step(inputs, targets)
+                last["timeline"] = runner.timeline
+        else:
+            table = tables[name](world, m)
+
+            def ours():
+                with autocast:
+                    last["timeline"] = pp.traced_step(run_stage, stage, table, inputs, targets)[1]
         step_ours = _trainer(ours, stage.parameters(), device, cuda)
         times = []
         for n in range(warmup + steps):
@@ -117,8 +130,9 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
         row = {"schedule": name, "m": m, "stage": rank, "layers": stage.layer_names,
                "step_s": statistics.median(times[warmup:]),
                "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-               "timeline": runner.timeline, "rounds": None, "torch_error": None}
-        if not (name == "1f1b" and m < world):  # torch's Schedule1F1B refuses m < p
+               "timeline": last["timeline"], "rounds": None, "torch_error": None}
+        # torch's Schedule1F1B refuses m < p
+        if run_stage is None and not (name == "1f1b" and m < world):
             torch.manual_seed(0)
             with torch.device(device):
                 other = pp.Stage(GPT(cfg), rank, world)
@@ -136,7 +150,7 @@ def measure(cfg, batch_size: int, seq_len: int, dtype: str, microbatches: list[i
             except Exception as exc:  # noqa: BLE001  (the API changes between torch versions)
                 row["torch_error"] = f"{type(exc).__name__}: {(str(exc) or '-').splitlines()[0]}"
             del other
-        del stage, runner
+        del stage, ours
         rows.append(row)
         if cuda:
             torch.cuda.empty_cache()
@@ -258,7 +272,9 @@ def figures(rows: list[dict], out: Path, title: str) -> list[Path]:
     return written
 
 
-def main(argv=None) -> int:
+def main(argv=None, run_stage=None, tables=None) -> int:
+    """The command line; from a notebook, ``run_stage`` and ``tables`` time a student's
+    runtime and schedules instead of the library's (:func:`measure`)."""
     p = argparse.ArgumentParser(prog="python -m distlab.bench.pp", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON and PNGs")
@@ -296,7 +312,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(backend.explain(args.stages, args.backend))
     per_rank = launch.run(measure, args.stages, cfg, args.batch_size, seq_len, args.dtype, ms,
-                          args.schedules.split(","), args.steps, args.warmup,
+                          args.schedules.split(","), args.steps, args.warmup, run_stage, tables,
                           backend=args.backend, timeout=args.timeout)
     rows = summarise(per_rank, args.batch_size, seq_len)
     title = (f"{args.model}, {args.stages} stages, {args.batch_size}x{seq_len} tokens, "
