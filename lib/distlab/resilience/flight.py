@@ -24,6 +24,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from distlab.comm import CommLog
+
 logging.disable(logging.WARNING)   # the analyzer's "tabulate is not installed" at import
 try:
     from torch.distributed.flight_recorder import fr_trace
@@ -101,6 +103,60 @@ def hang(kind: str, culprit: int, timeout_s: float = 1.0, steps: int = 3) -> dic
         error = str(exc).splitlines()[0][:160]
     raw = dump({group: "dp"})
     return {"record": record(raw), "dump": raw, "error": error}
+
+
+def one_f_one_b(microbatches: int, fused: bool = True) -> list[dict]:
+    """This rank's stage of one 1F1B step, its transfers ordered as PyTorch's
+    ``Schedule1F1B`` (``torch.distributed.pipelining``) orders them: stage s of p runs
+    min(m, p - s) forwards first, its last forward's send fused into one
+    ``batch_isend_irecv`` with its first backward's receive; then a backward and a
+    forward in turn, each backward's send fused with the next forward's receive, and
+    each forward's send with the next backward's receive. ``fused=False`` issues each
+    batch's operations one by one instead, its sends first. Activations and gradients
+    are 4 numbers (the computation is beside the point); returns this rank's
+    :class:`~distlab.comm.CommLog` records. With one micro-batch, fewer than the stages,
+    each stage's first exchange with the next both sends and receives while the next's
+    only receives: NCCL's connection setup fails or hangs (torchtitan issue 775; since
+    PyTorch pull request 144702 the schedule refuses m < p)."""
+    s, p, m = dist.get_rank(), dist.get_world_size(), microbatches
+    if m < 1:
+        raise ValueError(f"need at least one micro-batch, got {m}")
+
+    def ops(kind, peer):
+        if not 0 <= peer < p:
+            return []
+        op = dist.isend if kind == "send" else dist.irecv
+        return [dist.P2POp(op, torch.zeros(4), peer)]
+
+    def exchange(batch):
+        if batch and fused:
+            works = dist.batch_isend_irecv(batch)
+        else:
+            works = [o.op(o.tensor, o.peer) for o in sorted(batch, key=lambda o: o.op is not dist.isend)]
+        for work in works:
+            work.wait()
+
+    warmup, forwards, backwards, sends = min(m, p - s), 0, 0, []
+    with CommLog() as log:
+        for _ in range(warmup):
+            exchange(ops("recv", s - 1))
+            sends, forwards = ops("send", s + 1), forwards + 1
+            if forwards < warmup:
+                exchange(sends)
+                sends = []
+        while True:
+            exchange(sends + ops("recv", s + 1))          # this backward's gradient
+            sends, backwards = ops("send", s - 1), backwards + 1
+            if forwards == m:
+                break
+            exchange(sends + ops("recv", s - 1))          # the next forward's activation
+            sends, forwards = ops("send", s + 1), forwards + 1
+        exchange(sends)
+        while backwards < m:
+            exchange(ops("recv", s + 1))
+            exchange(ops("send", s - 1))
+            backwards += 1
+    return log.records()
 
 
 _ERRORS = re.compile(r"Collective sequence number: (\d+) has errors\ninternal record id: "

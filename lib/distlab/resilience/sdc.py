@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 
 def digest(tensors) -> str:
-    """SHA-256 of the tensors' bytes, in order."""
+    """SHA-256 of the tensors' bytes, in order (a GPU's copied to the host)."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
