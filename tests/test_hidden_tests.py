@@ -140,7 +140,8 @@ class TestOneGradingWithHiddenTests:
     one through which the student's code looks for the hidden tests."""
 
     @pytest.fixture(scope="class")
-    def graded(self, tmp_path_factory):
+    @classmethod
+    def graded(cls, tmp_path_factory):
         """(the grader's run, its JSON report, whether the looking test is among them). As
         root the instructor's folder is world-readable outside /tmp, and so is the grader's
         TMPDIR; the student's cell adds a function that reads what it can of given paths."""

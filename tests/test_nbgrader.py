@@ -116,7 +116,8 @@ class TestTheReleaseOfEveryLab:
     test in a copy of the course."""
 
     @pytest.fixture(scope="class")
-    def released(self, tmp_path_factory):
+    @classmethod
+    def released(cls, tmp_path_factory):
         return release(tmp_path_factory.mktemp("course"), LABS)
 
     @pytest.fixture

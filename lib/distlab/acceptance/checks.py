@@ -254,6 +254,22 @@ def ep(ctx: Context) -> Verdict:
          "all_to_all_single busbw (GB/s)", "ratio"], rows)})
 
 
+def sdc(ctx: Context) -> Verdict:
+    from distlab.bench import sdc as sdc_bench
+
+    out = ctx.scratch / "sdc"
+    proc = ctx.python("-m", "distlab.bench.sdc", "--out", out)
+    data = _json(out / "sdc_bench.json", proc)
+    misses = sdc_bench.goal_misses(data["rows"])
+    if proc.returncode != 0 and not misses:
+        proc.check()
+    rows = [[r["preset"], r["params"], r["batch"], 1e3 * r["plain_s"], 1e3 * r["checked_s"],
+             r["ratio"], 1e3 * r["hash_s"]] for r in data["rows"]]
+    return Verdict(misses, {**data, "table": _table(
+        ["model", "parameters", "batch", "plain step (ms)", "checked step (ms)", "ratio",
+         "hashing (ms)"], rows)})
+
+
 def fp8(ctx: Context) -> Verdict:
     from distlab.bench import fp8 as fp8_bench
 
@@ -418,6 +434,10 @@ def _register_all() -> None:
               f"largest shape (the crossover shape printed); the {fp8_bench.BIG} GPT step >= "
               f"{f8['gpt speedup']}x BF16's tokens/s with final losses within "
               f"{f8['final loss gap']:.0%}; BF16 MFU of that GPT >= {f8['bf16 mfu']:.0%}", fp8),
+        Check("sdc", 1, 240, "lab 12's silent-data-corruption check on one GPU "
+              "(distlab.bench.sdc, the 98M GPT, deterministic kernels): a replay of a clean "
+              "step gives the same SHA-256 of the gradients and one flipped bit is found; a "
+              "checked step's time against a plain one's, and the hashing's, reported", sdc),
         Check("nbval-gpu", 1, 540, "every solution notebook replays its outputs (pytest --nbval) "
               "with the GPUs present", nbval_gpu),
         Check("grader-tiers", 1, 540, "python -m distlab.grading solutions/*.ipynb gives full "

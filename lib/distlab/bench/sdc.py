@@ -68,6 +68,15 @@ def measure(preset: str, batch: int, device: torch.device, calls: int) -> dict:
             "checked_s": checked, "hash_s": hashing, "ratio": checked / plain}
 
 
+def goal_misses(rows: list[dict]) -> list[str]:
+    """Each configuration whose check failed: a flipped bit not found, or a replay of a
+    clean step that gave other bits (the kernels not deterministic). The cost is
+    reported, not judged: what it may be depends on the model and the checking interval."""
+    return [f"{r['preset']}: " + ("a flipped bit went unnoticed" if not r["flip_found"] else
+                                  "a replay of a clean step gave other bits")
+            for r in rows if not (r["flip_found"] and r["clean_replay_equal"])]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m distlab.bench.sdc",
                                 description=__doc__.split("\n\n")[0])
@@ -90,7 +99,7 @@ def main(argv=None) -> int:
               f"{r['plain_s'] * 1e3:.2f} ms, checked {r['checked_s'] * 1e3:.2f} ms "
               f"({r['ratio']:.2f}x), hashing {r['hash_s'] * 1e3:.2f} ms; flip found "
               f"{r['flip_found']}, clean replay equal {r['clean_replay_equal']}")
-    return 0 if all(r["flip_found"] and r["clean_replay_equal"] for r in rows) else 1
+    return 1 if goal_misses(rows) else 0
 
 
 if __name__ == "__main__":
