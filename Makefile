@@ -34,6 +34,10 @@ RESULTS ?= results
 # Three on a 2-core machine: much of the suite waits (kernels and ranks starting, time
 # limits and deadlocks reached on purpose), and a third worker fills that time.
 TEST_WORKERS ?= 3
+# One thread per process for the tests, as the ranks already have (runtime/pool.py): with
+# three workers, their notebooks' kernels and their ranks on two cores, torch's thread
+# pools only wait on each other.
+TEST_THREADS ?= 1
 STAMP := $(VENV)/.distlab-installed
 EXTRAS_SPEC := .$(EXTRAS)
 
@@ -67,13 +71,13 @@ lab: $(STAMP) ## open JupyterLab on the student notebooks in labs/ (as root too;
 	$(PY) -m distlab.jupyter $(LAB_DIR) $(LAB_ARGS)
 
 test: $(STAMP) ##! the tests that gate a change: library, autograder, notebooks (nbval), browser when available (not the held-back mutants: make test-mutants)
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --nbval --nbval-current-env --ignore-glob='tests/test_mutants_*' tests solutions $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --nbval --nbval-current-env --ignore-glob='tests/test_mutants_*' tests solutions $(PYTEST_ARGS)
 
 test-mutants: $(STAMP) ##! every held-back wrong answer graded: each exercise's checks name its mistake (CI runs it after make test)
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/test_mutants_*.py $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests/test_mutants_*.py $(PYTEST_ARGS)
 
 test-browser: $(STAMP) ##! only the browser test: JupyterLab in headless Chromium
-	$(PY) -m pytest -q -rsx tests/test_browser.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rsx tests/test_browser.py tests/test_browser_widgets.py $(PYTEST_ARGS)
 
 grade: $(STAMP) ## grade your labs (all, or LAB=03) and write grade-report.json
 	$(PY) -m distlab.grading labs $(if $(LAB),--lab $(LAB)) --json grade-report.json

@@ -28,7 +28,7 @@ from durations import Durations, unit  # noqa: E402  (tests/ is on sys.path)
 from editions import EditionKernels  # noqa: E402
 # Units known to take longest (build/durations.json of a run shows them), first to go.
 HEAVY = ["tests/test_grading_solutions.py", "solutions/", "tests/test_mutants_",
-         "tests/test_grader_security.py", "tests/test_nbgrader.py", "tests/test_browser.py",
+         "tests/test_grader_security.py", "tests/test_nbgrader.py", "tests/test_browser",
          "tests/test_widgets_static.py", "tests/test_grading.py"]
 
 
