@@ -24,7 +24,7 @@ FILE_BUDGET_S = 60.0
 SPLIT = {"tests/test_grading_solutions.py": "case", "tests/test_mutants_": "case",
          "tests/test_grader_security.py": "test", "tests/test_grading.py": "test",
          "tests/test_nbgrader.py": "test", "tests/test_hidden_tests.py": "test",
-         "tests/test_edition.py": "case"}
+         "tests/test_edition.py": "case", "tests/test_resilience.py": "test"}
 
 
 def unit(nodeid: str) -> str:
