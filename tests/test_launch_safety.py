@@ -32,18 +32,18 @@ from distlab import launch
 
 delay = float(sys.argv[1])
 timer = threading.Timer(delay, _thread.interrupt_main)
-timer.start()
+first = "finished"
 try:
+    timer.start()     # on a loaded machine the interrupt may land while its thread starts
     launch.run(dist.get_rank, 2, backend="gloo", timeout=60)
-    first = "finished"
 except KeyboardInterrupt:
     first = "interrupted"
-timer.cancel()
-timer.join()
 try:
+    timer.cancel()
+    timer.join()
     time.sleep(0.05)  # a late interrupt lands here, not in the launches below
 except KeyboardInterrupt:
-    pass
+    timer.join()
 results = [launch.run(dist.get_rank, 2, backend="gloo", timeout=60) for _ in range(2)]
 launch.shutdown()
 print(first, results)
