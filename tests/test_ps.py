@@ -20,11 +20,29 @@ def _loss(params, x):
     return torch.tanh(x @ w + b).pow(2).mean() + v.pow(2).sum()
 
 
+def _step_like_sgd(step, params, reference, shard, x, case) -> CommLog:
+    """``step(params, grads)`` on this rank's ``shard`` against SGD on the whole batch ``x``
+    (``reference``, stepped here): the same weights, the gradients left as they were. Its
+    CommLog."""
+    grads = torch.autograd.grad(_loss(params, shard), params)
+    before = [gr.clone() for gr in grads]
+    with CommLog() as log:
+        step(params, grads)
+    full = torch.autograd.grad(_loss(reference, x), reference)
+    with torch.no_grad():
+        for p, gr in zip(reference, full):
+            p -= 0.1 * gr
+    for p, r in zip(params, reference):
+        expect_close(p.detach(), r.detach(), case)
+    for gr, b in zip(grads, before):
+        expect_close(gr, b, f"{case}: grads left as they were")
+    return log
+
+
 def _against_single_process():
     rank = dist.get_rank()
     groups = [dist.new_group(m) for m in GROUPS]
     x = torch.randn(12, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    steps = CommLog()          # every group's steps, for NCCL's point-to-point rules
     for members, group in zip(GROUPS, groups):
         if rank not in members:  # outside: at once, nothing touched, nothing called
             p, gr = torch.ones(3), torch.full((3,), 2.0)
@@ -39,19 +57,9 @@ def _against_single_process():
             reference = [p.detach().clone().requires_grad_() for p in params]
             shard = x.chunk(len(members))[members.index(rank)]
             for step in range(3):
-                grads = torch.autograd.grad(_loss(params, shard), params)
-                before = [gr.clone() for gr in grads]
-                with CommLog() as log:
-                    ps.ps_sgd_step(params, grads, server, 0.1, group=group)
-                full = torch.autograd.grad(_loss(reference, x), reference)
-                with torch.no_grad():
-                    for p, gr in zip(reference, full):
-                        p -= 0.1 * gr
                 case = f"rank {rank}, group {members}, server {server}, step {step}"
-                for p, r in zip(params, reference):
-                    expect_close(p.detach(), r.detach(), case)
-                for gr, b in zip(grads, before):
-                    expect_close(gr, b, f"{case}: grads left as they were")
+                log = _step_like_sgd(lambda p, g: ps.ps_sgd_step(p, g, server, 0.1, group=group),
+                                     params, reference, shard, x, case)
                 assert [(e.op, e.peer) for e in log.collectives()] == [
                     ("reduce", server), ("broadcast", server)], case
                 nbytes = sum(p.numel() * 8 for p in params)
@@ -98,19 +106,9 @@ def _sharded_against_single_process():
         reference = [p.detach().clone().requires_grad_() for p in params]
         shard = x.chunk(world)[me]
         for step in range(3):
-            grads = torch.autograd.grad(_loss(params, shard), params)
-            before = [gr.clone() for gr in grads]
-            with CommLog() as log:
-                ps_sharded.sharded_sgd_step(params, grads, 0.1, group=group)
-            full = torch.autograd.grad(_loss(reference, x), reference)
-            with torch.no_grad():
-                for p, gr in zip(reference, full):
-                    p -= 0.1 * gr
             case = f"rank {rank}, group {members}, step {step}"
-            for p, r in zip(params, reference):
-                expect_close(p.detach(), r.detach(), case)
-            for gr, b in zip(grads, before):
-                expect_close(gr, b, f"{case}: grads left as they were")
+            log = _step_like_sgd(lambda p, g: ps_sharded.sharded_sgd_step(p, g, 0.1, group=group),
+                                 params, reference, shard, x, case)
             numel = sum(p.numel() for p in params)
             pieces = [len(c) for c in torch.arange(numel).tensor_split(world)]
             mine, others = pieces[me], numel - pieces[me]
